@@ -1,0 +1,1 @@
+"""The compute tier: storage-node client, pipelined feature loader, head trainer."""

@@ -1,0 +1,80 @@
+"""Starts a storage daemon as a child process, for the embedded default and for tests."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from compute_side.client import StorageClient, StorageNodeError
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def local_daemon(store_url: str, log_path: Path, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> Iterator[str]:
+    """Run ``python -m storage_side`` on a free loopback port; yield its URL; stop it after.
+
+    The daemon gets its own session so a Ctrl-C reaches only us, and we stop it with
+    SIGTERM (gunicorn's graceful shutdown) whatever happens, killing it if it lingers.
+    """
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "storage_side", "--store", store_url, "--port", str(port), *extra_args]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
+    try:
+        _wait_healthy(process, url, log_path, start_timeout_s)
+        log.info("storage daemon pid %d at %s (log: %s)", process.pid, url, log_path)
+        yield url
+    finally:
+        _stop(process)
+
+
+def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
+    client = StorageClient(url, timeout_s=2, retries=0)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"storage daemon exited with {process.returncode}; last log lines:\n"
+                               + _tail(log_path))
+        try:
+            client.health()
+            return
+        except StorageNodeError:
+            time.sleep(0.2)
+    raise RuntimeError(f"storage daemon not healthy after {timeout_s:.0f} s; last log lines:\n" + _tail(log_path))
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,65 @@
+"""Trains stages [split, end) of a staged model on features from the storage tier.
+
+Stages [split, freeze) are frozen: eval mode, no gradients, exactly as the storage tier
+runs them, so a sample's features never depend on where the cut is. Stages [freeze,
+end) train. Every optimiser step sees exactly one user batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hapi.models import StagedModel
+
+OPTIMIZERS = ("sgd", "adam")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+
+
+class HeadTrainer:
+    def __init__(self, model: StagedModel, split: int, config: TrainConfig) -> None:
+        model.check_split(split)
+        freeze = model.spec.freeze_index
+        self.frozen = nn.Sequential(*model.stages[split:freeze]).eval().requires_grad_(False)
+        self.trainable = nn.Sequential(*model.stages[freeze:]).train()
+        params = [p for p in self.trainable.parameters() if p.requires_grad]
+        if config.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
+                                             weight_decay=config.weight_decay)
+        elif config.optimizer == "adam":
+            self.optimizer = torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+        else:
+            raise ValueError(f"unknown optimizer {config.optimizer!r}; choose one of {OPTIMIZERS}")
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def _frozen_forward(self, features: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            # Features may arrive in a narrower wire dtype; the model computes in float32.
+            return self.frozen(features.float())
+
+    def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> float:
+        """One optimiser step on exactly this batch; returns its mean loss."""
+        self.trainable.train()
+        logits = self.trainable(self._frozen_forward(features))
+        loss = self.loss_fn(logits, labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+    @torch.no_grad()
+    def evaluate_batch(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+        """(summed loss, number correct) on one batch, with the head in eval mode."""
+        self.trainable.eval()
+        logits = self.trainable(self._frozen_forward(features))
+        loss = nn.functional.cross_entropy(logits, labels, reduction="sum").item()
+        return loss, int((logits.argmax(1) == labels).sum())

@@ -1,0 +1,1 @@
+"""The storage-node daemon: reads objects, runs frozen prefixes next to the store, serves features."""

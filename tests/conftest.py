@@ -1,0 +1,19 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from swift_cluster import SwiftCluster, swift_available
+
+# --- OpenStack Swift + s3api ------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def swift_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwiftCluster]:
+    """A real all-in-one Swift cluster with the S3 API, shared per session."""
+    if not swift_available():
+        pytest.skip("OpenStack Swift is not installed (pip install swift)")
+    with SwiftCluster.start(tmp_path_factory.mktemp("swift")) as cluster:
+        yield cluster
