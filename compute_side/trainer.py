@@ -48,7 +48,9 @@ class HeadTrainer:
 
     def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> float:
         """One optimiser step on exactly this batch; returns its mean loss."""
-        self.trainable.train()
+        # BatchNorm cannot take batch statistics of one sample; such a (last, partial)
+        # batch still trains, on the running statistics.
+        self.trainable.train(len(labels) > 1)
         logits = self.trainable(self._frozen_forward(features))
         loss = self.loss_fn(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)

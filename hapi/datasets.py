@@ -3,7 +3,7 @@
 A data set is described by one manifest object, written last at upload, that lists every
 sample as (key, label, size) per split, so training never LISTs a bucket. A sample is
 either one object (``train/cat/000001.jpg``) or a member of a tar shard object
-(``shards/train-00000.tar#000001.jpg``), as the reference bundled 128 images per object.
+(``shards/train-00000.tar#train/cat/000001.jpg``), as the reference bundled 128 images per object.
 
 CLI: ``python -m hapi.datasets {synthetic,upload,describe} ...``
 """
@@ -150,13 +150,14 @@ def write_dataset(
                 bar.update(len(chunk))
                 if shard_size:
                     shard_key = f"shards/{split}-{chunk_start // shard_size:05d}.tar"
-                    store.put(shard_key, _tar((Path(n).name, b) for (n, _), b in zip(chunk, blobs)))
-                    samples += [Sample(f"{shard_key}#{Path(n).name}", label, len(b))
-                                for (n, label), b in zip(chunk, blobs)]
+                    # Members keep their whole key: file names alone repeat across classes.
+                    store.put(shard_key, _tar((key, b) for (key, _), b in zip(chunk, blobs)))
+                    samples += [Sample(f"{shard_key}{SHARD_SEPARATOR}{key}", label, len(b))
+                                for (key, label), b in zip(chunk, blobs)]
                 else:
-                    for (n, label), blob in zip(chunk, blobs):
-                        store.put(n, blob)
-                        samples.append(Sample(n, label, len(blob)))
+                    for (key, label), blob in zip(chunk, blobs):
+                        store.put(key, blob)
+                        samples.append(Sample(key, label, len(blob)))
             splits[split] = tuple(samples)
     manifest = Manifest(name, tuple(classes), splits)
     store.put(MANIFEST_KEY, manifest.to_json())

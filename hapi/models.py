@@ -198,9 +198,15 @@ class StagedModel(nn.Module):
         return x
 
     def replace_head(self, num_classes: int) -> None:
-        """Give the last (Linear) stage ``num_classes`` outputs, freshly initialised."""
-        head = self.stages[-1]
-        self.stages[-1] = nn.Linear(head.in_features, num_classes)
+        """Replace the last (Linear) stage with a fresh head for ``num_classes`` classes.
+
+        The head standardises its input first (BatchNorm without affine, as in MAE's linear
+        probing): frozen features, random ones above all, come at scales no single learning
+        rate suits.
+        """
+        in_features = self.stages[-1].in_features
+        self.stages[-1] = nn.Sequential(nn.BatchNorm1d(in_features, affine=False),
+                                        nn.Linear(in_features, num_classes))
 
 
 def file_weights_id(path: Path) -> str:

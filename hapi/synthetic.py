@@ -34,8 +34,8 @@ _CLASSES: tuple[tuple[str, str, float, str], ...] = (
 
 CLASS_NAMES: tuple[str, ...] = tuple(c[0] for c in _CLASSES)
 
-# Amplitudes (in 8-bit levels) of the fine texture and of per-pixel sensor
-# grain, and the fine texture's colour share.  They are the knobs for JPEG
+# Std of the fine texture and half-width of the uniform per-pixel sensor grain
+# (in 8-bit levels), and the fine texture's colour share.  They are the knobs for JPEG
 # size: smooth content compresses to a few KB, and this high-frequency content
 # is what brings the mean to ~100 KB at quality 90, as for ImageNet photos.
 _DETAIL = 60.0
@@ -59,9 +59,7 @@ def _coords(w: int, h: int) -> tuple[np.ndarray, np.ndarray]:
     return xs, ys
 
 
-def _noise(
-    rng: np.random.Generator, w: int, h: int, lum: float, chroma: float = 0.0
-) -> np.ndarray:
+def _noise(rng: np.random.Generator, w: int, h: int, lum: float, chroma: float = 0.0) -> np.ndarray:
     """HxWx3 white noise: a `lum`-std part shared by RGB plus `chroma` per channel.
 
     HxWx1 (luminance only) if `chroma` is 0.
@@ -88,9 +86,7 @@ def _upsample(a: np.ndarray, w: int, h: int, lo: float, hi: float) -> np.ndarray
     return out
 
 
-def _smooth_noise(
-    rng: np.random.Generator, w: int, h: int, cell: int, lum: float, chroma: float = 0
-) -> np.ndarray:
+def _smooth_noise(rng: np.random.Generator, w: int, h: int, cell: int, lum: float, chroma: float = 0.0) -> np.ndarray:
     """Zero-mean noise (as `_noise`) that varies on a `cell`-px scale.
 
     Upsampling a coarse random grid bicubically is a cheap stand-in for the
@@ -131,31 +127,22 @@ def _detail(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
     return _upsample(fine, w, h, -span, span)
 
 
-def _outline(
-    shape: str, cx: float, cy: float, r: float, rot: float
-) -> list[tuple[float, float]]:
+def _outline(shape: str, cx: float, cy: float, r: float, rot: float) -> list[tuple[float, float]]:
     """Polygon vertices of a rotated polygonal shape of radius `r`."""
     if shape == "square":
         pts = [(r, math.pi / 4 + k * math.pi / 2) for k in range(4)]
     elif shape == "triangle":
         pts = [(r, -math.pi / 2 + k * 2 * math.pi / 3) for k in range(3)]
     elif shape == "star":
-        pts = [
-            (r if k % 2 == 0 else 0.42 * r, -math.pi / 2 + k * math.pi / 5)
-            for k in range(10)
-        ]
+        pts = [(r if k % 2 == 0 else 0.42 * r, -math.pi / 2 + k * math.pi / 5) for k in range(10)]
     else:  # cross: a plus sign with arms of half-width r/3, one arm at a time
         t = r / 3
-        arm = [
-            (math.hypot(x, y), math.atan2(y, x)) for x, y in ((t, r), (t, t), (r, t))
-        ]
+        arm = [(math.hypot(x, y), math.atan2(y, x)) for x, y in ((t, r), (t, t), (r, t))]
         pts = [(d, a - k * math.pi / 2) for k in range(4) for d, a in arm]
     return [(cx + d * math.cos(a + rot), cy + d * math.sin(a + rot)) for d, a in pts]
 
 
-def _mask(
-    shape: str, w: int, h: int, cx: float, cy: float, r: float, rot: float
-) -> np.ndarray:
+def _mask(shape: str, w: int, h: int, cx: float, cy: float, r: float, rot: float) -> np.ndarray:
     """A float32 HxW coverage mask in [0, 1] of the foreground shape."""
     m = Image.new("L", (w, h), 0)
     d = ImageDraw.Draw(m)
@@ -169,9 +156,7 @@ def _mask(
     return np.asarray(m, np.float32) / 255.0
 
 
-def _pattern(
-    rng: np.random.Generator, texture: str, w: int, h: int, rot: float
-) -> np.ndarray:
+def _pattern(rng: np.random.Generator, texture: str, w: int, h: int, rot: float) -> np.ndarray:
     """A float32 HxW brightness pattern in [0, 1] for the foreground surface."""
     if texture == "smooth":
         return np.ones((h, w), np.float32)
@@ -214,7 +199,8 @@ def _distractors(rng: np.random.Generator, img: np.ndarray) -> None:
 def render_jpeg(label: int, index: int, seed: int = 0, quality: int = 90) -> bytes:
     """The JPEG bytes of sample `index` of class `label`.
 
-    The same arguments always give the same bytes.
+    The same arguments always give the same bytes (for given numpy and Pillow
+    versions, whose random streams and JPEG encoder the bytes depend on).
     """
     if not 0 <= label < len(_CLASSES):
         raise ValueError(f"label {label} not in [0, {len(_CLASSES)})")
@@ -228,9 +214,7 @@ def render_jpeg(label: int, index: int, seed: int = 0, quality: int = 90) -> byt
     r = rng.uniform(0.18, 0.34) * min(w, h)
     cx, cy = rng.uniform(r, w - r), rng.uniform(r, h - r)
     rot = rng.uniform(0, 2 * math.pi)
-    colour = _hsv(
-        hue + rng.normal(0, 0.025), rng.uniform(0.6, 1.0), rng.uniform(0.65, 1.0)
-    )
+    colour = _hsv(hue + rng.normal(0, 0.025), rng.uniform(0.6, 1.0), rng.uniform(0.65, 1.0))
     # The object is drawn in its bounding box only, which keeps rendering fast.
     x0, y0 = int(cx - r), int(cy - r)
     x1, y1 = min(w, int(cx + r) + 2), min(h, int(cy + r) + 2)

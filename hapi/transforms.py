@@ -77,10 +77,13 @@ def _random_crop_box(height: int, width: int, g: torch.Generator) -> tuple[int, 
 
 def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0) -> torch.Tensor:
     """Decode ``data`` and return a normalised float32 (3, crop, crop) tensor."""
+    if not data:
+        raise CorruptImageError(key, "the object is empty")
     try:
         image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except RuntimeError as exc:
-        raise CorruptImageError(key, str(exc).splitlines()[0]) from None
+    except RuntimeError:
+        # torchvision's own message is its C++ source location and a list of decoders.
+        raise CorruptImageError(key, "not a decodable JPEG, PNG, WebP or GIF image") from None
     if spec.augment:
         g = sample_generator(spec.seed, epoch, key)
         top, left, h, w = _random_crop_box(image.shape[1], image.shape[2], g)

@@ -12,8 +12,14 @@ from swift_cluster import SwiftCluster, swift_available
 
 @pytest.fixture(scope="session")
 def swift_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwiftCluster]:
-    """A real all-in-one Swift cluster with the S3 API, shared per session."""
+    """A real all-in-one Swift cluster with the S3 API, shared per session.
+
+    Its credentials and endpoint are exported (AWS_*) for the session, so S3 clients in
+    the tests and in the daemons they start find them by the standard chain.
+    """
     if not swift_available():
         pytest.skip("OpenStack Swift is not installed (pip install swift)")
-    with SwiftCluster.start(tmp_path_factory.mktemp("swift")) as cluster:
+    with SwiftCluster.start(tmp_path_factory.mktemp("swift")) as cluster, pytest.MonkeyPatch.context() as env:
+        for name, value in cluster.env().items():
+            env.setenv(name, value)
         yield cluster

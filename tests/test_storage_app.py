@@ -1,0 +1,411 @@
+"""The storage daemon's Flask app, driven in process through Flask's test client.
+
+The features it serves must be exactly what the compute tier would compute from the same
+bytes (invariant 1), and every bad request must come back as a JSON error with the right
+status, naming the key where one sample is at fault (invariant 4), without taking the app
+down.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flask.testing import FlaskClient
+from PIL import Image
+
+from hapi.datasets import Manifest, make_synthetic
+from hapi.models import MODELS, build_model
+from hapi.store import FileStore
+from hapi.transforms import TransformSpec, preprocess
+from hapi.wire import decode_features
+from storage_side.app import create_app
+from storage_side.config import DaemonConfig
+
+SPEC = TransformSpec(crop_size=32, resize_size=40)
+FREEZE = MODELS["resnet18"].freeze_index  # 11
+MAX_KEYS = 4
+MAX_BYTES = 4096
+SHARDED = "sharded/"  # the sharded copy of the data set lives under this prefix of the same store
+
+
+@dataclass(frozen=True)
+class Data:
+    store: FileStore
+    plain: Manifest
+    sharded: Manifest
+
+    def val_keys(self, n: int) -> list[str]:
+        return [s.key for s in self.plain.split("val")[:n]]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
+    root = tmp_path_factory.mktemp("store")
+    store = FileStore(root)
+    plain = make_synthetic(store, 2, 1)
+    sharded = make_synthetic(FileStore(root / SHARDED), 2, 1, shard_size=4)
+    good = store.get(plain.split("val")[0].key)
+    store.put("bad/garbage.jpg", b"this is not an image at all")
+    store.put("bad/truncated.jpg", good[:2000])
+    store.put("bad/empty.jpg", b"")
+    # A shard with distinct member names: a.jpg and b.jpg are the 2nd and 3rd val images of the plain set.
+    members = [(name, store.get(s.key)) for name, s in zip(("a.jpg", "b.jpg"), plain.split("val")[1:3], strict=True)]
+    store.put("extra/pair.tar", _tar(members))
+    return Data(store, plain, sharded)
+
+
+@pytest.fixture(scope="module")
+def client(data: Data) -> FlaskClient:
+    config = DaemonConfig(store_url=data.store.url, max_keys_per_request=MAX_KEYS, max_request_bytes=MAX_BYTES,
+                          io_threads=2, sub_batch=2)
+    return create_app(config).test_client()
+
+
+@pytest.fixture(scope="module")
+def resnet18() -> torch.nn.Module:
+    return build_model("resnet18", input_size=SPEC.crop_size)
+
+
+def _tar(members: list[tuple[str, bytes]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:") as tar:
+        for name, blob in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    return buffer.getvalue()
+
+
+def _body(keys: list[str], split: int = 4, **fields: object) -> dict:
+    return {"keys": keys, "model": "resnet18", "split": split, "transform": SPEC.to_dict(), **fields}
+
+
+def _extract(client: FlaskClient, keys: list[str], split: int = 4, **fields: object):
+    return client.post("/v1/extract", json=_body(keys, split, **fields))
+
+
+def _local_features(model, blobs: list[tuple[str, bytes]], split: int, spec: TransformSpec = SPEC,
+                    epoch: int = 0) -> torch.Tensor:
+    """What the compute tier computes for these samples: the same preprocess and prefix, locally."""
+    inputs = torch.stack([preprocess(blob, key, spec, epoch) for key, blob in blobs])
+    with torch.inference_mode():
+        return model.prefix(split)(inputs)
+
+
+def _assert_json_error(response, status: int, code: str, key: str | None = None) -> dict:
+    assert response.status_code == status, response.data[:300]
+    assert response.mimetype == "application/json"
+    assert b"<html" not in response.data.lower() and b"Traceback" not in response.data
+    body = response.get_json()
+    assert body["error"] == code, body
+    assert isinstance(body["message"], str) and body["message"]
+    if key is not None:
+        assert body["key"] == key
+    return body
+
+
+def _assert_still_serving(client: FlaskClient, data: Data) -> None:
+    response = _extract(client, data.val_keys(1))
+    assert response.status_code == 200
+    assert decode_features(response.data)[0].shape == (1, 64, 8, 8)
+
+
+# --- good requests ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split, stage, shape", [
+    (0, "input", (3, 3, 32, 32)),  # nothing pushed down: the preprocessed images themselves
+    (4, "maxpool", (3, 64, 8, 8)),
+    (FREEZE, "layer4.0", (3, 512, 1, 1)),  # the deepest split allowed
+])
+def test_extract_equals_the_prefix_run_locally(client, data, resnet18, split, stage, shape) -> None:
+    keys = data.val_keys(3)[::-1]  # not manifest order: rows must follow the request
+    response = _extract(client, keys, split)
+    assert response.status_code == 200
+    assert response.headers["Content-Type"] == "application/vnd.safetensors"
+    features, got_keys, metadata = decode_features(response.data)
+    assert got_keys == tuple(keys)
+    assert features.shape == shape and features.dtype == torch.float32
+    assert metadata["split"] == split and metadata["stage"] == stage
+    blobs = [(k, data.store.get(k)) for k in keys]
+    assert metadata["raw_bytes"] == sum(len(b) for _, b in blobs)
+    torch.testing.assert_close(features, _local_features(resnet18, blobs, split))
+
+
+def test_augmented_extract_is_seeded_per_sample_and_epoch(client, data, resnet18) -> None:
+    spec = TransformSpec(crop_size=32, resize_size=40, augment=True, seed=7)
+    keys = data.val_keys(2)
+    blobs = [(k, data.store.get(k)) for k in keys]
+    by_epoch = {}
+    for epoch in (3, 4):
+        response = _extract(client, keys, 6, transform=spec.to_dict(), epoch=epoch)
+        assert response.status_code == 200
+        by_epoch[epoch] = decode_features(response.data)[0].clone()
+        torch.testing.assert_close(by_epoch[epoch], _local_features(resnet18, blobs, 6, spec, epoch))
+    assert not torch.allclose(by_epoch[3], by_epoch[4])  # a new epoch draws new crops
+
+
+def test_shard_members_mixed_with_plain_objects(client, data, resnet18) -> None:
+    plain_key = data.val_keys(1)[0]
+    keys = ["extra/pair.tar#b.jpg", plain_key, "extra/pair.tar#a.jpg"]
+    response = _extract(client, keys, FREEZE)
+    assert response.status_code == 200
+    features, got_keys, _ = decode_features(response.data)
+    assert got_keys == tuple(keys)
+    val = data.plain.split("val")
+    originals = [(keys[0], data.store.get(val[2].key)), (plain_key, data.store.get(plain_key)),
+                 (keys[2], data.store.get(val[1].key))]
+    torch.testing.assert_close(features, _local_features(resnet18, originals, FREEZE))
+
+
+def test_synthetic_shard_member_is_served_from_its_tar(client, data, resnet18) -> None:
+    sample = data.sharded.split("train")[-1]
+    key = SHARDED + sample.key
+    response = _extract(client, [key], 6)
+    assert response.status_code == 200
+    features, got_keys, metadata = decode_features(response.data)
+    assert got_keys == (key,)
+    shard_key, member = key.split("#")
+    with tarfile.open(fileobj=io.BytesIO(data.store.get(shard_key))) as tar:
+        blob = tar.extractfile(member).read()
+    assert metadata["raw_bytes"] == len(blob)
+    torch.testing.assert_close(features, _local_features(resnet18, [(key, blob)], 6))
+
+
+def test_features_do_not_depend_on_the_sub_batch(data, client) -> None:
+    keys = data.val_keys(4)
+    one_by_one = create_app(DaemonConfig(store_url=data.store.url, sub_batch=1)).test_client()
+    a = decode_features(_extract(client, keys, FREEZE).data)[0]
+    b = decode_features(_extract(one_by_one, keys, FREEZE).data)[0]
+    torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("dtype, torch_dtype, rtol", [
+    ("float16", torch.float16, 2e-3),
+    ("bfloat16", torch.bfloat16, 1.6e-2),
+])
+def test_half_precision_wire_dtypes(client, data, dtype, torch_dtype, rtol) -> None:
+    keys = data.val_keys(2)
+    full = _extract(client, keys, FREEZE)
+    half = _extract(client, keys, FREEZE, dtype=dtype)
+    assert half.status_code == 200
+    reference, _, _ = decode_features(full.data)
+    features, got_keys, _ = decode_features(half.data)
+    assert features.dtype == torch_dtype and got_keys == tuple(keys)
+    assert features.shape == reference.shape
+    assert len(half.data) < 0.75 * len(full.data)  # half the bytes of features on the wire
+    torch.testing.assert_close(features.float(), reference, rtol=rtol, atol=1e-3)
+
+
+def test_healthz(client, data) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.get_json() == {"status": "ok", "store": data.store.url}
+
+
+def test_models_lists_the_registry(client) -> None:
+    response = client.get("/v1/models")
+    assert response.status_code == 200
+    models = {m["name"]: m for m in response.get_json()["models"]}
+    assert set(models) == set(MODELS)
+    assert models["resnet18"] == {"name": "resnet18", "freeze_index": 11, "input_size": 224}
+    assert models["resnet50"]["freeze_index"] == 22
+
+
+# --- bad requests: JSON errors, and the app keeps serving ---------------------------
+
+
+@pytest.mark.parametrize("body, code, words", [
+    (_body(["k"], model="resnet1000"), "unknown_model", "resnet1000"),
+    (_body(["k"], split=FREEZE + 1), "bad_split", "0..11"),
+    (_body(["k"], split=-1), "bad_split", "out of range"),
+    ({**_body(["k"]), "colour": "red"}, "bad_request", "colour"),
+    (_body(["k"], split="4"), "bad_request", "'split'"),
+    (_body(["k"], split=True), "bad_request", "'split'"),
+    (_body(["k"], model=18), "bad_request", "'model'"),
+    (_body("k"), "bad_request", "'keys'"),
+    (_body([]), "bad_request", "non-empty"),
+    (_body(["k", ""]), "bad_request", "non-empty"),
+    (_body([3]), "bad_request", "'keys'"),
+    (_body(["k", "k"]), "bad_request", "duplicates"),
+    (_body(["k"], dtype="int8"), "bad_request", "int8"),
+    (_body(["k"], transform={"crop_size": 32, "hue": 1}), "bad_request", "hue"),
+    (_body(["k"], transform={"crop_size": 300, "resize_size": 256}), "bad_request", "crop_size"),
+    ({"model": "resnet18", "split": 4}, "bad_request", "'keys'"),
+    ([_body(["k"])], "bad_request", "JSON object"),
+], ids=["unknown-model", "split-after-freeze", "negative-split", "unknown-field", "split-str", "split-bool",
+        "model-int", "keys-str", "keys-empty", "key-empty", "key-int", "keys-duplicate", "bad-dtype",
+        "transform-field", "crop-gt-resize", "missing-keys", "body-list"])
+def test_bad_request_is_400_json(client, data, body, code, words) -> None:
+    error = _assert_json_error(client.post("/v1/extract", json=body), 400, code)
+    assert words in error["message"]
+    _assert_still_serving(client, data)
+
+
+@pytest.mark.parametrize("payload, content_type", [
+    (b"keys=a&model=resnet18", "application/x-www-form-urlencoded"),
+    (b'{"keys": ["a"], "model": ', "application/json"),  # truncated JSON
+    (b'{"keys": ["a"], "model": "resnet18", "split": 4}', "text/plain"),  # JSON, but not declared so
+    (b"", "application/json"),
+])
+def test_non_json_body_is_400(client, data, payload, content_type) -> None:
+    response = client.post("/v1/extract", data=payload, content_type=content_type)
+    _assert_json_error(response, 400, "bad_request")
+    _assert_still_serving(client, data)
+
+
+@pytest.mark.parametrize("key", [
+    "val/red-circle/999999.jpg",
+    "no/such/dir/x.jpg",
+    "val",  # a directory, not an object
+    "../../../../etc/passwd",  # must not climb out of the store
+    "/etc/passwd",
+])
+def test_missing_object_is_404_naming_the_key(client, data, key) -> None:
+    keys = [*data.val_keys(2), key]
+    _assert_json_error(_extract(client, keys), 404, "missing_object", key=key)
+    _assert_still_serving(client, data)
+
+
+@pytest.mark.parametrize("key", ["extra/pair.tar#c.jpg", SHARDED + "shards/val-00000.tar#999999.jpg"])
+def test_missing_shard_member_is_404_naming_the_sample(client, data, key) -> None:
+    _assert_json_error(_extract(client, [data.val_keys(1)[0], key]), 404, "missing_object", key=key)
+    _assert_still_serving(client, data)
+
+
+@pytest.mark.parametrize("key", ["bad/garbage.jpg", "bad/truncated.jpg", "bad/empty.jpg"])
+def test_corrupt_image_is_422_naming_the_key(client, data, key) -> None:
+    error = _assert_json_error(_extract(client, [data.val_keys(1)[0], key]), 422, "corrupt_image", key=key)
+    assert key in error["message"]
+    _assert_still_serving(client, data)
+
+
+def test_too_many_keys_is_413(client, data) -> None:
+    keys = data.val_keys(MAX_KEYS + 1)
+    error = _assert_json_error(_extract(client, keys), 413, "too_many_keys")
+    assert error["limit"] == MAX_KEYS and str(MAX_KEYS + 1) in error["message"]
+    assert _extract(client, keys[:MAX_KEYS]).status_code == 200  # the limit itself is allowed
+
+
+def test_body_over_max_request_bytes_is_413(client, data) -> None:
+    body = _body([*data.val_keys(1), "x" * MAX_BYTES])  # valid JSON, just too big
+    _assert_json_error(client.post("/v1/extract", json=body), 413, "request_too_large")
+    _assert_still_serving(client, data)
+
+
+def test_unknown_weights_is_409(client, data) -> None:
+    weights = "sha256:" + "0" * 64
+    error = _assert_json_error(_extract(client, data.val_keys(1), weights=weights), 409, "weights_unavailable")
+    assert weights in error["message"] and "--weights-file" in error["message"]
+    _assert_still_serving(client, data)
+
+
+@pytest.mark.parametrize("method, path, status, code", [
+    ("GET", "/v1/nope", 404, "not_found"),
+    ("POST", "/", 404, "not_found"),
+    ("GET", "/v1/extract", 405, "method_not_allowed"),
+    ("DELETE", "/v1/extract", 405, "method_not_allowed"),
+    ("POST", "/healthz", 405, "method_not_allowed"),
+])
+def test_routing_errors_are_json(client, data, method, path, status, code) -> None:
+    _assert_json_error(client.open(path, method=method), status, code)
+    _assert_still_serving(client, data)
+
+
+# --- known bugs: strict xfail, so each turns into a failure once fixed (drop the marker then) ----
+
+
+def _bug(reason: str):
+    return pytest.mark.xfail(strict=True, reason="BUG: " + reason)
+
+
+def _png16(rgb16: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(rgb16).save(buffer, format="PNG")  # a 2-D uint16 array: a 16-bit greyscale PNG
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def odd_objects(data: Data) -> None:
+    grey16 = (np.random.default_rng(0).random((40, 40)) * 65535).astype(np.uint16)
+    data.store.put("odd/grey16.png", _png16(grey16))
+    buffer = io.BytesIO()
+    Image.fromarray((grey16 >> 8).astype(np.uint8)).save(buffer, format="PNG")
+    data.store.put("odd/grey8.png", buffer.getvalue())
+    frames = [Image.new("RGB", (40, 40), (80 * i, 20, 200)) for i in range(3)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:])
+    data.store.put("odd/animated.gif", buffer.getvalue())
+    data.store.put("odd/not-a-tar.tar", b"junk" * 100)
+
+
+@pytest.mark.parametrize("keys, fields, statuses, key", [
+    pytest.param(["odd/not-a-tar.tar#a.jpg"], {}, {404, 422}, "odd/not-a-tar.tar#a.jpg",
+                 marks=_bug("a shard object that is not a tar raises tarfile.ReadError (hapi/datasets.py "
+                            "_untar) -> 500")),
+    pytest.param(["odd/animated.gif"], {}, {200, 422}, None,
+                 marks=_bug("decode_image returns (frames, 3, H, W) for an animated GIF; the prefix then "
+                            "fails -> 500")),
+    pytest.param(["a\x00b.jpg"], {}, {400, 404}, "a\x00b.jpg",
+                 marks=_bug("a key with a NUL byte raises ValueError in FileStore._path -> 500")),
+    pytest.param(["x" * 300], {}, {400, 404}, "x" * 300,
+                 marks=_bug("a key over NAME_MAX raises OSError(ENAMETOOLONG) in FileStore.get -> 500")),
+    pytest.param(None, {"transform": {"crop_size": 32.5, "resize_size": 40}}, {400}, None,
+                 marks=_bug("TransformSpec.from_dict does not type-check: a float crop_size -> 500")),
+    pytest.param(None, {"transform": {"crop_size": 32, "resize_size": 40, "mean": [0.5, 0.5]}}, {400}, None,
+                 marks=_bug("TransformSpec.from_dict does not check mean/std length -> 500")),
+    pytest.param(None, {"transform": {"crop_size": 32, "resize_size": 40, "std": [0, 0, 0]}}, {400}, None,
+                 marks=_bug("TransformSpec.from_dict accepts std 0 -> 500 in normalize")),
+], ids=["shard-not-a-tar", "animated-gif", "nul-in-key", "key-too-long", "crop-float",
+        "mean-length", "std-zero"])
+def test_bad_input_is_a_client_error_not_500(client, data, odd_objects, keys, fields, statuses, key) -> None:
+    response = _extract(client, keys or data.val_keys(1), **fields)
+    assert response.status_code in statuses, response.get_json()
+    if response.status_code != 200:
+        body = response.get_json()
+        assert body["error"] != "internal_error"
+        if key is not None:
+            assert body["key"] == key
+
+
+@_bug("hapi/transforms.py preprocess divides by 255 whatever the decoded dtype; a 16-bit PNG decodes "
+      "to uint16, so its inputs come out ~257x too large")
+def test_16_bit_png_is_scaled_like_8_bit(client, odd_objects) -> None:
+    sixteen = decode_features(_extract(client, ["odd/grey16.png"], 0).data)[0]
+    eight = decode_features(_extract(client, ["odd/grey8.png"], 0).data)[0]
+    torch.testing.assert_close(sixteen, eight, rtol=0, atol=0.05)
+
+
+@_bug("the HTTPException handler in storage_side/app.py drops exc.get_headers(): a 405 has no Allow header "
+      "(RFC 9110 requires it)")
+def test_405_names_the_allowed_methods(client) -> None:
+    response = client.get("/v1/extract")
+    assert response.status_code == 405
+    assert "POST" in response.headers.get("Allow", "")
+
+
+@_bug("hapi/datasets.py write_dataset names shard members Path(key).name, so train/red-circle/000000.jpg and "
+      "train/blue-square/000000.jpg collide in one tar: manifest keys repeat and all but one sample are lost")
+def test_synthetic_shards_keep_every_sample(data) -> None:
+    samples = data.sharded.split("train")
+    assert len({s.key for s in samples}) == len(samples) == len(data.plain.split("train"))
+
+
+@_bug("hapi/datasets.py read_samples raises MissingObjectError(object_key) when a whole shard is missing: "
+      "the error names 'extra/nope.tar', which is not a key the client asked for")
+def test_missing_shard_object_names_a_requested_key(client, data) -> None:
+    response = _extract(client, ["extra/nope.tar#b.jpg", "extra/nope.tar#a.jpg"])
+    _assert_json_error(response, 404, "missing_object", key="extra/nope.tar#b.jpg")
+
+
+def test_store_fixture_is_what_the_tests_assume(data) -> None:
+    # Guards the fixture: 10 classes x (2 train + 1 val), shard keys under the sharded prefix.
+    assert len(data.plain.split("train")) == 20 and len(data.val_keys(10)) == 10
+    assert all(s.key.startswith("shards/") and "#" in s.key for s in data.sharded.split("val"))
+    assert Path(data.store.root, SHARDED, "manifest.json").is_file()

@@ -1,0 +1,56 @@
+import json
+
+import pytest
+import torch
+
+from hapi.transforms import TransformSpec
+from hapi.wire import ExtractRequest, WireError, decode_features, encode_features
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_features_round_trip_without_pickle(dtype: torch.dtype) -> None:
+    features = torch.randn(3, 8, 2, 2).to(dtype)
+    blob = encode_features(features, ("a", "b", "c"), {"split": 5, "timings": {"forward_ms": 1.5}})
+    assert b"pickle" not in blob and blob[8:9] == b"{"  # a JSON header, then raw bytes
+    decoded, keys, meta = decode_features(bytearray(blob))
+    assert torch.equal(decoded, features) and decoded.dtype == dtype
+    assert keys == ("a", "b", "c")
+    assert meta == {"split": 5, "timings": {"forward_ms": 1.5}}
+
+
+def test_decoded_features_are_a_view_of_the_buffer() -> None:
+    buffer = bytearray(encode_features(torch.zeros(2, 4), ("a", "b"), {}))
+    decoded, _, _ = decode_features(buffer)
+    decoded[0, 0] = 7.0
+    assert decode_features(buffer)[0][0, 0] == 7.0
+
+
+def test_malformed_responses_are_wire_errors() -> None:
+    with pytest.raises(WireError):
+        decode_features(bytearray(b"\x01\x00"))
+    blob = encode_features(torch.zeros(2, 4), ("a", "b"), {})
+    with pytest.raises(WireError):
+        decode_features(bytearray(blob[:-8]))
+
+
+def test_request_round_trips_through_json() -> None:
+    request = ExtractRequest(keys=("x", "y"), model="resnet18", split=4,
+                             transform=TransformSpec(crop_size=64, resize_size=72, augment=True),
+                             dtype="bfloat16", epoch=3, job_id="j1")
+    assert ExtractRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
+
+
+@pytest.mark.parametrize("body, message", [
+    ([], "JSON object"),
+    ({"model": "resnet18", "split": 1}, "missing field 'keys'"),
+    ({"keys": [], "model": "resnet18", "split": 1}, "non-empty list"),
+    ({"keys": ["a", "a"], "model": "resnet18", "split": 1}, "duplicates"),
+    ({"keys": ["a"], "model": "resnet18", "split": "1"}, "'split' must be a int"),
+    ({"keys": ["a"], "model": "resnet18", "split": True}, "'split' must be a int"),
+    ({"keys": ["a"], "model": "resnet18", "split": 1, "dtype": "int8"}, "dtype 'int8'"),
+    ({"keys": ["a"], "model": "resnet18", "split": 1, "colour": 1}, "unknown field"),
+    ({"keys": ["a"], "model": "resnet18", "split": 1, "transform": {"crop_size": 4}}, "bad 'transform'"),
+])
+def test_bad_requests_name_what_is_wrong(body: object, message: str) -> None:
+    with pytest.raises(WireError, match=message):
+        ExtractRequest.from_json(body)
