@@ -142,10 +142,10 @@ def open_dataset(args: argparse.Namespace) -> tuple[str, Manifest]:
 
 
 def main(args: argparse.Namespace) -> int:
-    store_url, manifest = open_dataset(args)
     model = build_model(args.model, args.weights, args.image_size)
-    model.replace_head(len(manifest.classes))
     split = resolve_split(model, args.split)
+    store_url, manifest = open_dataset(args)
+    model.replace_head(len(manifest.classes))
     trainer = HeadTrainer(model, split, TrainConfig(optimizer=args.optimizer, lr=args.lr))
     crop = args.image_size or model.spec.input_size
     # Validation never augments: the same centre crop on every run.
@@ -187,6 +187,8 @@ def report(total: EpochStats, split: int, stage: str) -> str:
 def cli(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    # Retries are the client's business; a failure that outlasts them is reported in one line.
+    logging.getLogger("urllib3").setLevel(logging.INFO if args.verbose else logging.ERROR)
     try:
         return main(args)
     except KeyboardInterrupt:

@@ -1,0 +1,83 @@
+"""`python -m hapi.train` end to end on the embedded default (file:// store, local daemon)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hapi.datasets import make_synthetic
+from hapi.store import FileStore
+from hapi.train import cli
+
+SMALL = ["--model", "resnet18", "--image-size", "64", "--train-per-class", "4", "--val-per-class", "2",
+         "--batch-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hapi-cache")
+
+
+def test_embedded_default_trains_and_reports(cache_dir, capsys) -> None:
+    assert cli([*SMALL, "--cache-dir", str(cache_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "split 11/15" in out and "'layer4.0'" in out
+    assert "trained 40 samples" in out
+    assert "val loss" in out and "accuracy" in out
+    ratio = float(out.split("raw objects: ")[1].split("x less")[0])
+    # ResNet-18 after layer4.0 at 64 px ships 512x2x2 floats (8 KB) per ~100 KB JPEG.
+    assert 8 < ratio < 20
+    assert (cache_dir / "datasets" / "synthetic-4x2" / "manifest.json").is_file()
+
+
+def test_split_zero_ships_decoded_images(cache_dir, capsys) -> None:
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--split", "0", "--dtype", "float16"]) == 0
+    out = capsys.readouterr().out
+    assert "split 0/15" in out
+    ratio = float(out.split("raw objects: ")[1].split("x less")[0])
+    assert ratio > 1  # 3x64x64 fp16 = 24 KB per image, still below the ~100 KB JPEG
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "resnet51"], "error: unknown model 'resnet51'"),
+    (["--model", "resnet18", "--split", "12"], "error: split 12 out of range for resnet18: 0..11"),
+    (["--model", "resnet18", "--store", "file:///nonexistent/hapi"], "error: no data set at file:///nonexistent/hapi"),
+    (["--model", "resnet18", "--store", "ftp://x"], "error: store URL 'ftp://x'"),
+])
+def test_bad_input_is_one_line(cache_dir, capsys, args, message) -> None:
+    assert cli([*args, "--cache-dir", str(cache_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1
+
+
+def test_dead_storage_node_is_one_line(cache_dir, tmp_path, capsys) -> None:
+    make_synthetic(FileStore(tmp_path), 1, 1)
+    capsys.readouterr()
+    store = tmp_path.as_uri()
+    assert cli([*SMALL, "--store", store, "--storage-node", "http://127.0.0.1:9", "--cache-dir", str(cache_dir)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: storage node http://127.0.0.1:9: unreachable") and err.count("\n") == 1
+
+
+def _daemons_for(cache_dir) -> list[str]:
+    found = subprocess.run(["pgrep", "-f", f"storage_side --store {cache_dir.as_uri()}"], capture_output=True, text=True)
+    return found.stdout.split()
+
+
+def test_ctrl_c_stops_the_daemon(cache_dir) -> None:
+    process = subprocess.Popen([sys.executable, "-m", "hapi.train", *SMALL, "--cache-dir", str(cache_dir),
+                                "--epochs", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 60
+    while not _daemons_for(cache_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _daemons_for(cache_dir), "the daemon never started"
+    time.sleep(1)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 130
+    assert "Traceback" not in err and "interrupted" in err
+    assert not _daemons_for(cache_dir)
