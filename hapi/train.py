@@ -159,6 +159,8 @@ def main(args: argparse.Namespace) -> int:
 
     with storage_nodes(args, store_url) as urls:
         clients = [StorageClient(url) for url in urls]
+        for client in clients:
+            client.health()  # a dead node fails here, before any training
         train_loader = FeatureLoader(clients, template, args.request_size, args.prefetch)
         val_loader = FeatureLoader(clients, replace(template, transform=eval_transform),
                                    args.request_size, args.prefetch)
