@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import requests
@@ -10,7 +11,7 @@ import torch
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from hapi.wire import ExtractRequest, decode_features
+from hapi.wire import TOKEN_ENV, ExtractRequest, decode_features
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ class Extracted:
 class StorageClient:
     """Keep-alive session to one daemon; retries refused (503) and failed connections."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0, retries: int = 5, pool_size: int = 8) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, retries: int = 5, pool_size: int = 8,
+                 token: str | None = None) -> None:
+        """``token`` defaults to ``$HAPI_STORAGE_TOKEN``; sent as a bearer token when set."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         retry = Retry(
@@ -49,6 +52,9 @@ class StorageClient:
         self.session = requests.Session()
         self.session.mount("http://", HTTPAdapter(max_retries=retry, pool_maxsize=pool_size))
         self.session.mount("https://", HTTPAdapter(max_retries=retry, pool_maxsize=pool_size))
+        token = token or os.environ.get(TOKEN_ENV)
+        if token:
+            self.session.headers["Authorization"] = f"Bearer {token}"
 
     def health(self) -> dict:
         return self._json("GET", "/healthz")

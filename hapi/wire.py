@@ -18,6 +18,8 @@ from hapi.models import RANDOM_WEIGHTS
 from hapi.transforms import TransformSpec
 
 FEATURES_CONTENT_TYPE = "application/vnd.safetensors"
+# The shared bearer token between the tiers, when a deployment sets one.
+TOKEN_ENV = "HAPI_STORAGE_TOKEN"
 WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

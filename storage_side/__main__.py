@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if server == "auto":
         try:
             import fcntl  # noqa: F401  gunicorn needs a POSIX system
+
             import gunicorn  # noqa: F401
 
             server = "gunicorn"

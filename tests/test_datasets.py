@@ -5,8 +5,14 @@ import pytest
 from PIL import Image
 
 from hapi import datasets
-from hapi.datasets import (DatasetNotFoundError, Manifest, load_manifest, make_synthetic, read_samples,
-                           upload_image_folder)
+from hapi.datasets import (
+    DatasetNotFoundError,
+    Manifest,
+    load_manifest,
+    make_synthetic,
+    read_samples,
+    upload_image_folder,
+)
 from hapi.store import FileStore, MissingObjectError
 from hapi.synthetic import CLASS_NAMES, render_jpeg
 

@@ -63,7 +63,8 @@ def test_dead_storage_node_is_one_line(cache_dir, tmp_path, capsys) -> None:
 
 
 def _daemons_for(cache_dir) -> list[str]:
-    found = subprocess.run(["pgrep", "-f", f"storage_side --store {cache_dir.as_uri()}"], capture_output=True, text=True)
+    pattern = f"storage_side --store {cache_dir.as_uri()}"
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return found.stdout.split()
 
 
