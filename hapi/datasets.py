@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from hapi import synthetic
 from hapi.store import MissingObjectError, ObjectStore, S3Store, open_store
+from hapi.transforms import CorruptImageError
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,18 @@ def read_samples(store: ObjectStore, keys: Sequence[str], pool: ThreadPoolExecut
 
     Raises MissingObjectError naming the first key that does not exist.
     """
-    object_keys = list(dict.fromkeys(k.split(SHARD_SEPARATOR, 1)[0] for k in keys))
-    objects = dict(zip(object_keys, pool.map(store.get, object_keys)))
+    # The first requested key of each object, so a failure names a key the caller sent.
+    first_key = {}
+    for key in keys:
+        first_key.setdefault(key.split(SHARD_SEPARATOR, 1)[0], key)
+
+    def fetch(object_key: str) -> bytes:
+        try:
+            return store.get(object_key)
+        except MissingObjectError:
+            raise MissingObjectError(first_key[object_key]) from None
+
+    objects = dict(zip(first_key, pool.map(fetch, first_key)))
     members: dict[str, dict[str, bytes]] = {}
     out = []
     for key in keys:
@@ -100,7 +111,7 @@ def read_samples(store: ObjectStore, keys: Sequence[str], pool: ThreadPoolExecut
             out.append(objects[object_key])
             continue
         if object_key not in members:
-            members[object_key] = _untar(objects[object_key])
+            members[object_key] = _untar(objects[object_key], key)
         try:
             out.append(members[object_key][member])
         except KeyError:
@@ -108,9 +119,12 @@ def read_samples(store: ObjectStore, keys: Sequence[str], pool: ThreadPoolExecut
     return out
 
 
-def _untar(data: bytes) -> dict[str, bytes]:
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+def _untar(data: bytes, key: str) -> dict[str, bytes]:
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    except tarfile.TarError:
+        raise CorruptImageError(key, "its shard object is not a readable tar archive") from None
 
 
 def _tar(members: Iterable[tuple[str, bytes]]) -> bytes:

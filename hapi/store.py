@@ -7,6 +7,7 @@ embedded default, like SQLite for databases). Keys are relative to the URL's pre
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,11 @@ class FileStore:
             return self._path(key).read_bytes()
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise MissingObjectError(key) from None
+        except (ValueError, OSError) as exc:
+            # A key no file could have (NUL byte, name too long) names no object.
+            if isinstance(exc, ValueError) or exc.errno == errno.ENAMETOOLONG:
+                raise MissingObjectError(key) from None
+            raise
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)

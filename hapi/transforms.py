@@ -47,7 +47,19 @@ class TransformSpec:
         unknown = set(body) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown transform field(s) {sorted(unknown)}")
+        for name in ("crop_size", "resize_size", "seed"):
+            if name in body and (type(body[name]) is not int):
+                raise ValueError(f"{name} must be an integer, got {body[name]!r}")
+        if "augment" in body and type(body["augment"]) is not bool:
+            raise ValueError(f"augment must be true or false, got {body['augment']!r}")
+        for name in ("mean", "std"):
+            value = body.get(name, [1.0, 1.0, 1.0])
+            if not (isinstance(value, list | tuple) and len(value) == 3
+                    and all(type(v) in (int, float) for v in value)):
+                raise ValueError(f"{name} must be a list of 3 numbers, got {value!r}")
         spec = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()})
+        if min(spec.std) <= 0:
+            raise ValueError(f"std must be positive, got {list(spec.std)}")
         if not (8 <= spec.crop_size <= spec.resize_size <= 4096):
             raise ValueError(f"need 8 <= crop_size <= resize_size <= 4096, got {spec.crop_size}, {spec.resize_size}")
         return spec
@@ -84,6 +96,10 @@ def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0) -> to
     except RuntimeError:
         # torchvision's own message is its C++ source location and a list of decoders.
         raise CorruptImageError(key, "not a decodable JPEG, PNG, WebP or GIF image") from None
+    if image.ndim == 4:  # an animated GIF: its first frame
+        image = image[0]
+    # 16-bit PNGs decode to uint16; everything below works on 8-bit levels.
+    image = F.to_dtype(image, torch.uint8, scale=True)
     if spec.augment:
         g = sample_generator(spec.seed, epoch, key)
         top, left, h, w = _random_crop_box(image.shape[1], image.shape[2], g)
@@ -93,4 +109,4 @@ def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0) -> to
     else:
         image = F.resize(image, [spec.resize_size], antialias=True)
         image = F.center_crop(image, [spec.crop_size])
-    return F.normalize(image.float().div_(255), list(spec.mean), list(spec.std))
+    return F.normalize(F.to_dtype(image, torch.float32, scale=True), list(spec.mean), list(spec.std))
