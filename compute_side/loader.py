@@ -1,9 +1,9 @@
-"""Turns an epoch of samples into batches of features fetched from storage daemons.
+"""Turns an epoch of samples into training batches, with requests in flight ahead.
 
-Each training batch is split into requests of at most ``request_size`` samples, spread
-round-robin over the storage nodes; the features are reassembled in sample order, so
-the trainer sees exactly the user's batch whatever the storage side did. ``prefetch``
-batches are fetched ahead while the current one trains.
+Each batch is cut into requests of at most ``request_size`` samples that never straddle
+a shard object; ``depth`` requests stay in flight (across however many storage nodes)
+while the trainer works, and features are reassembled in sample order, so the optimiser
+sees exactly the user's batch whatever the storage side did.
 """
 
 from __future__ import annotations
@@ -13,13 +13,20 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
+from itertools import groupby
+from typing import Protocol
 
 import torch
 
-from compute_side.client import StorageClient
+from compute_side.sources import Part
 from hapi.datasets import Sample
-from hapi.wire import ExtractRequest
+
+
+class Source(Protocol):
+    split: int
+
+    def fetch(self, samples: Sequence[Sample], epoch: int) -> Part: ...
 
 
 @dataclass(frozen=True)
@@ -29,66 +36,97 @@ class Batch:
     keys: tuple[str, ...]
     wire_bytes: int  # bytes received for this batch
     raw_bytes: int  # bytes of the encoded images it covers
-    wait_s: float = 0.0  # time the trainer waited for it
+    requests: int
+    wait_s: float  # time the trainer waited for it
+    timings: dict[str, float] = field(default_factory=dict)  # summed over its requests, ms
 
 
-def epoch_order(samples: Sequence[Sample], epoch: int, seed: int, shuffle: bool) -> list[Sample]:
-    """The samples of one epoch, shuffled reproducibly from (seed, epoch)."""
+def epoch_order(samples: Sequence[Sample], epoch: int, seed: int, shuffle: bool = True) -> list[Sample]:
+    """The samples of one epoch, shuffled reproducibly from (seed, epoch).
+
+    Sharded samples are shuffled in two levels, the order of shards and the order within
+    each, so consecutive samples (one request) still come from one shard object.
+    """
     order = list(samples)
-    if shuffle:
-        random.Random(f"{seed}/{epoch}").shuffle(order)
-    return order
+    if not shuffle:
+        return order
+    rng = random.Random(f"{seed}/{epoch}")
+    groups = [list(g) for _, g in groupby(sorted(order, key=lambda s: s.object_key), key=lambda s: s.object_key)]
+    rng.shuffle(groups)
+    for group in groups:
+        rng.shuffle(group)
+    return [s for group in groups for s in group]
 
 
 def batches_of(samples: Sequence[Sample], batch_size: int) -> list[list[Sample]]:
     return [list(samples[i: i + batch_size]) for i in range(0, len(samples), batch_size)]
 
 
-class FeatureLoader:
-    """Fetches batches of features through storage daemons, ``prefetch`` batches ahead."""
+def requests_of(batch: Sequence[Sample], request_size: int) -> list[list[Sample]]:
+    """Cut a batch into requests: runs of one shard object, at most ``request_size`` each."""
+    out = []
+    for _, run in groupby(batch, key=lambda s: s.object_key if "#" in s.key else ""):
+        run = list(run)
+        out += [run[i: i + request_size] for i in range(0, len(run), request_size)]
+    return out
 
-    def __init__(self, clients: Sequence[StorageClient], template: ExtractRequest,
-                 request_size: int = 32, prefetch: int = 1) -> None:
-        self.clients = list(clients)
-        self.template = template
+
+class PipelinedLoader:
+    """Yields batches in order while up to ``depth`` requests are in flight.
+
+    ``depth`` 0 fetches each batch only when the trainer asks for it: no overlap, the
+    baseline of the overlap benchmark.
+    """
+
+    def __init__(self, source: Source, request_size: int = 32, depth: int = 4) -> None:
+        self.source = source
         self.request_size = request_size
-        self.prefetch = prefetch
-        self._next_client = 0
+        self.depth = depth
 
-    def _fetch(self, batch: list[Sample], epoch: int) -> Batch:
-        parts = []
-        for start in range(0, len(batch), self.request_size):
-            chunk = batch[start: start + self.request_size]
-            client = self.clients[self._next_client % len(self.clients)]
-            self._next_client += 1
-            request = replace(self.template, keys=tuple(s.key for s in chunk), epoch=epoch)
-            parts.append(client.extract(request))
-        return Batch(
-            features=torch.cat([p.features for p in parts]) if len(parts) > 1 else parts[0].features,
-            labels=torch.tensor([s.label for s in batch]),
-            keys=tuple(s.key for s in batch),
-            wire_bytes=sum(p.wire_bytes for p in parts),
-            raw_bytes=sum(s.size for s in batch),
-        )
+    def epoch(self, batches: Sequence[Sequence[Sample]], epoch: int) -> Iterator[Batch]:
+        plans = [requests_of(batch, self.request_size) for batch in batches]
+        if self.depth == 0:
+            for batch, plan in zip(batches, plans):
+                started = time.perf_counter()
+                parts = [self.source.fetch(chunk, epoch) for chunk in plan]
+                yield _assemble(batch, parts, time.perf_counter() - started)
+            return
+        queue = ((i, chunk) for i, plan in enumerate(plans) for chunk in plan)
+        in_flight: deque[tuple[int, Future[Part]]] = deque()
+        with ThreadPoolExecutor(self.depth, thread_name_prefix="fetch") as pool:
+            def top_up() -> None:
+                while len(in_flight) < self.depth:
+                    nxt = next(queue, None)
+                    if nxt is None:
+                        return
+                    in_flight.append((nxt[0], pool.submit(self.source.fetch, nxt[1], epoch)))
 
-    def epoch(self, batches: Sequence[list[Sample]], epoch: int) -> Iterator[Batch]:
-        """Yield the features of ``batches`` in order, keeping ``prefetch`` in flight."""
-        with ThreadPoolExecutor(max(self.prefetch, 1), thread_name_prefix="fetch") as pool:
-            pending: deque[Future[Batch]] = deque()
-            upcoming = iter(batches)
             try:
-                for batch in upcoming:
-                    pending.append(pool.submit(self._fetch, batch, epoch))
-                    if len(pending) > self.prefetch:
-                        yield self._wait(pending.popleft())
-                while pending:
-                    yield self._wait(pending.popleft())
+                for index, batch in enumerate(batches):
+                    top_up()
+                    started = time.perf_counter()
+                    parts = []
+                    while in_flight and in_flight[0][0] == index:
+                        parts.append(in_flight.popleft()[1].result())
+                        top_up()
+                    yield _assemble(batch, parts, time.perf_counter() - started)
             finally:
-                for future in pending:
+                for _, future in in_flight:
                     future.cancel()
 
-    @staticmethod
-    def _wait(future: Future[Batch]) -> Batch:
-        started = time.perf_counter()
-        batch = future.result()
-        return replace(batch, wait_s=time.perf_counter() - started)
+
+def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float) -> Batch:
+    timings: dict[str, float] = {}
+    for part in parts:
+        for name, ms in part.timings.items():
+            timings[name] = timings.get(name, 0.0) + ms
+    return Batch(
+        features=torch.cat([p.features for p in parts]) if len(parts) > 1 else parts[0].features,
+        labels=torch.tensor([s.label for s in batch]),
+        keys=tuple(s.key for s in batch),
+        wire_bytes=sum(p.wire_bytes for p in parts),
+        raw_bytes=sum(s.size for s in batch),
+        requests=len(parts),
+        wait_s=wait_s,
+        timings=timings,
+    )

@@ -65,3 +65,11 @@ class HeadTrainer:
         logits = self.trainable(self._frozen_forward(features))
         loss = nn.functional.cross_entropy(logits, labels, reduction="sum").item()
         return loss, int((logits.argmax(1) == labels).sum())
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs: the trained stages and the optimiser's state."""
+        return {"trainable": self.trainable.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainable.load_state_dict(state["trainable"])
+        self.optimizer.load_state_dict(state["optimizer"])

@@ -1,6 +1,7 @@
 """`python -m hapi.train` end to end on the embedded default (file:// store, local daemon)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ def test_embedded_default_trains_and_reports(cache_dir, capsys) -> None:
     assert "split 11/15" in out and "'layer4.0'" in out
     assert "trained 40 samples" in out
     assert "val loss" in out and "accuracy" in out
-    ratio = float(out.split("raw objects: ")[1].split("x less")[0])
+    ratio = float(re.search(r"([\d.]+)x less", out).group(1))
     # ResNet-18 after layer4.0 at 64 px ships 512x2x2 floats (8 KB) per ~100 KB JPEG.
     assert 8 < ratio < 20
     assert (cache_dir / "datasets" / "synthetic-4x2" / "manifest.json").is_file()
@@ -37,7 +38,7 @@ def test_split_zero_ships_decoded_images(cache_dir, capsys) -> None:
     assert cli([*SMALL, "--cache-dir", str(cache_dir), "--split", "0", "--dtype", "float16"]) == 0
     out = capsys.readouterr().out
     assert "split 0/15" in out
-    ratio = float(out.split("raw objects: ")[1].split("x less")[0])
+    ratio = float(re.search(r"([\d.]+)x less", out).group(1))
     assert ratio > 1  # 3x64x64 fp16 = 24 KB per image, still below the ~100 KB JPEG
 
 
