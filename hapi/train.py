@@ -213,6 +213,7 @@ def main(args: argparse.Namespace) -> int:
     model = build_model(args.model, args.weights, args.image_size)
     split = resolve_split(model, args.split)
     store_url, manifest = open_dataset(args)
+    torch.manual_seed(args.seed)  # the new head's init and any dropout: same seed, same run
     model.replace_head(len(manifest.classes))
     trainer = HeadTrainer(model, split, TrainConfig(optimizer=args.optimizer, lr=args.lr))
     setup = {"model": args.model, "weights": model.weights_id, "split": split, "classes": len(manifest.classes),

@@ -1,5 +1,6 @@
 """`python -m hapi.train` end to end on the embedded default (file:// store, local daemon)."""
 
+import json
 import os
 import re
 import signal
@@ -8,8 +9,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from hapi.datasets import make_synthetic
+from hapi.models import build_model
 from hapi.store import FileStore
 from hapi.train import cli
 
@@ -83,3 +86,48 @@ def test_ctrl_c_stops_the_daemon(cache_dir) -> None:
     assert process.returncode == 130
     assert "Traceback" not in err and "interrupted" in err
     assert not _daemons_for(cache_dir)
+
+
+def _trained(run_dir) -> dict:
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)["trainer"]["trainable"]
+
+
+def test_the_split_does_not_change_what_is_learned(cache_dir, tmp_path, capsys) -> None:
+    """Decoupling end to end: same seed, same head, whether pushed down or not, and where."""
+    runs = {}
+    for split in ("all-in-compute", "4", "freeze"):
+        runs[split] = tmp_path / split
+        assert cli([*SMALL, "--cache-dir", str(cache_dir), "--split", split, "--output-dir", str(runs[split]),
+                    "--augment", "--request-size", "3"]) == 0
+    capsys.readouterr()
+    reference = _trained(runs["all-in-compute"])
+    for split in ("4", "freeze"):
+        trained = _trained(runs[split])
+        assert trained.keys() == reference.keys()
+        for name, value in reference.items():
+            torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=f"split {split}: {name}")
+    untrained = build_model("resnet18", input_size=64).stages[11].state_dict()
+    assert not torch.equal(reference["0.conv1.weight"], untrained["conv1.weight"])  # it did train
+
+
+def test_resume_continues_where_the_checkpoint_left_off(cache_dir, tmp_path, capsys) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--epochs", "2", "--output-dir", str(straight)]) == 0
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--epochs", "1", "--output-dir", str(resumed)]) == 0
+    resume = ["--resume", str(resumed / "checkpoint.pt")]
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--epochs", "2", *resume]) == 0
+    out = capsys.readouterr().out
+    assert out.count("epoch 2:") == 2
+    for name, value in _trained(straight).items():
+        torch.testing.assert_close(_trained(resumed)[name], value, msg=name)
+    lines = (resumed / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines if '"step"' in line]
+    assert [s["epoch"] for s in steps] == [0] * 5 + [1] * 5
+    assert all(s["wire_bytes"] > 0 and s["wait_s"] >= 0 and "forward_ms" in s["source_ms"] for s in steps)
+
+
+def test_resume_refuses_a_checkpoint_of_another_setup(cache_dir, tmp_path, capsys) -> None:
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path)]) == 0
+    resume = ["--resume", str(tmp_path / "checkpoint.pt")]
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--split", "4", *resume]) == 1
+    assert "checkpoint has split=11, this run 4" in capsys.readouterr().err
