@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from swift_cluster import SwiftCluster, swift_available
+from experiments.swift_cluster import SwiftCluster, swift_available
 
 # --- OpenStack Swift + s3api ------------------------------------------------
 

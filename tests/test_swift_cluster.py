@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 from botocore.exceptions import ClientError
-from swift_cluster import SwiftCluster
+from experiments.swift_cluster import SwiftCluster
 
 
 def test_put_get_list_round_trip(swift_s3: SwiftCluster) -> None:

@@ -1,0 +1,1 @@
+"""Reproduction experiments and benchmarks; run each script with --help."""
