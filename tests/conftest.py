@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+
 from experiments.swift_cluster import SwiftCluster, swift_available
 
 # --- OpenStack Swift + s3api ------------------------------------------------

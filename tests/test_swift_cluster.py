@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 from botocore.exceptions import ClientError
+
 from experiments.swift_cluster import SwiftCluster
 
 
