@@ -26,11 +26,13 @@ def free_port() -> int:
 
 @contextmanager
 def local_daemon(store_url: str, log_path: Path, extra_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> Iterator[str]:
+                 env: dict[str, str] | None = None, start_timeout_s: float = 60.0,
+                 cpus: set[int] | None = None) -> Iterator[str]:
     """Run ``python -m storage_side`` on a free loopback port; yield its URL; stop it after.
 
     The daemon gets its own session so a Ctrl-C reaches only us, and we stop it with
     SIGTERM (gunicorn's graceful shutdown) whatever happens, killing it if it lingers.
+    ``cpus`` pins it to those cores, to emulate a storage host beside the compute host.
     """
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -38,7 +40,8 @@ def local_daemon(store_url: str, log_path: Path, extra_args: tuple[str, ...] = (
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})}, start_new_session=True)
+                                   env={**os.environ, **(env or {})}, start_new_session=True,
+                                   preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     try:
         _wait_healthy(process, url, log_path, start_timeout_s)
         log.info("storage daemon pid %d at %s (log: %s)", process.pid, url, log_path)
