@@ -8,12 +8,15 @@ from dataclasses import dataclass
 
 import requests
 import torch
+import urllib3
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from hapi.wire import TOKEN_ENV, ExtractRequest, decode_features
 
 log = logging.getLogger(__name__)
+
+BODY_RETRIES = 2
 
 
 class StorageNodeError(RuntimeError):
@@ -45,8 +48,10 @@ class StorageClient:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         retry = Retry(
-            total=retries, connect=retries, read=0, status=retries, backoff_factor=0.2,
-            status_forcelist=(503,), allowed_methods=None,  # extract is idempotent: POST may retry
+            total=retries, connect=retries, read=retries, status=retries, backoff_factor=0.2,
+            # extract is idempotent, so a POST may be retried, also when a kept-alive connection
+            # was closed under it (read errors).
+            status_forcelist=(503,), allowed_methods=None,
             respect_retry_after_header=True, raise_on_status=False,
         )
         self.session = requests.Session()
@@ -78,13 +83,22 @@ class StorageClient:
                                body.get("message", ""), body.get("key"))
 
     def extract(self, request: ExtractRequest) -> Extracted:
-        try:
-            response = self.session.post(self.url + "/v1/extract", json=request.to_json(),
-                                         timeout=self.timeout_s, stream=True)
+        # urllib3 retries up to the response headers; a body cut short is retried here.
+        for attempt in range(BODY_RETRIES + 1):
+            try:
+                response = self.session.post(self.url + "/v1/extract", json=request.to_json(),
+                                             timeout=self.timeout_s, stream=True)
+            except requests.RequestException as exc:
+                raise StorageNodeError(self.url, None, "unreachable", f"unreachable ({type(exc).__name__})") from None
             self._raise_for_error(response)
-            blob = _read_body(response)
-        except requests.RequestException as exc:
-            raise StorageNodeError(self.url, None, "unreachable", f"unreachable ({type(exc).__name__})") from None
+            try:
+                blob = _read_body(response)
+                break
+            except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
+                if attempt == BODY_RETRIES:
+                    raise StorageNodeError(self.url, None, "unreachable",
+                                           f"response cut short ({type(exc).__name__})") from None
+                log.warning("response from %s cut short; retrying", self.url)
         features, keys, metadata = decode_features(blob)
         if keys != request.keys:
             raise StorageNodeError(self.url, response.status_code, "bad_response", "features for other keys")

@@ -1,0 +1,118 @@
+"""Where to cut: a cost model of the overlapped pipeline, and the choice it implies.
+
+Storage compute, transfer and compute-side training work on different batches at the
+same time, so in steady state an iteration costs its slowest stage, not their sum; the
+first batch pays for all three (fill) before the pipeline runs. Per sample:
+
+    storage(s)  = decode + forward of stages [0, s) on the storage tier
+    transfer(s) = bytes of stage s-1's output in the wire dtype / bandwidth
+    compute(s)  = forward of frozen stages [s, freeze) + train step of [freeze, end)
+                  (all-in-compute: + decode here, and the raw objects cross the network)
+    epoch(s)    = N x max(storage, transfer, compute) + B x (sum - max)
+
+Splits whose compute-side memory for one batch exceeds the budget are dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hapi.profiler import Profile
+from hapi.wire import WIRE_DTYPES
+
+ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
+FLOAT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Candidate:
+    split: int  # ALL_IN_COMPUTE, or stages [0, split) on the storage tier
+    dtype: str
+    bytes_per_sample: float
+    storage_ms: float  # per sample
+    transfer_ms: float
+    compute_ms: float
+    compute_memory: float  # bytes for one batch on the compute tier
+    epoch_s: float
+    feasible: bool
+
+    @property
+    def bottleneck(self) -> str:
+        costs = {"storage": self.storage_ms, "network": self.transfer_ms, "compute": self.compute_ms}
+        return max(costs, key=costs.get)
+
+    @property
+    def label(self) -> str:
+        return "all-in-compute" if self.split == ALL_IN_COMPUTE else f"split {self.split} {self.dtype}"
+
+
+def _compute_memory(profile: Profile, split: int, batch_size: int) -> float:
+    """Peak bytes for one batch on the compute tier: frozen stages keep only a consecutive
+    (input, output) pair alive; trainable ones keep every activation, and gradients double it."""
+    elements = (3 * profile.input_size ** 2,) + profile.output_elements  # [i]: stage i's input
+    freeze = profile.freeze_index
+    frozen = max((elements[i] + elements[i + 1] for i in range(max(split, 0), freeze)), default=0)
+    trainable = elements[freeze] + 2 * sum(elements[freeze + 1:])
+    return batch_size * FLOAT32_BYTES * max(frozen, trainable)
+
+
+def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples: int,
+             compute_memory_budget: float = float("inf")) -> Candidate:
+    """Predicted cost of one candidate."""
+    storage, compute = profile.storage, profile.compute
+    frozen_here = sum(compute.forward_ms[max(split, 0): profile.freeze_index])
+    if split == ALL_IN_COMPUTE:
+        per_sample = profile.raw_bytes
+        storage_ms = 0.0  # the object store only serves GETs
+        compute_ms = compute.decode_ms + frozen_here + compute.train_ms
+    else:
+        elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
+        per_sample = elements * WIRE_DTYPES[dtype].itemsize
+        storage_ms = storage.decode_ms + sum(storage.forward_ms[:split])
+        compute_ms = frozen_here + compute.train_ms
+    transfer_ms = per_sample / profile.bandwidth * 1e3
+    stages = (storage_ms, transfer_ms, compute_ms)
+    epoch_ms = samples * max(stages) + min(batch_size, samples) * (sum(stages) - max(stages))
+    memory = _compute_memory(profile, split, batch_size)
+    return Candidate(split, dtype, per_sample, storage_ms, transfer_ms, compute_ms, memory,
+                     epoch_ms / 1e3, memory <= compute_memory_budget)
+
+
+def candidates(profile: Profile, batch_size: int, samples: int, dtypes: tuple[str, ...] = ("float32",),
+               compute_memory_budget: float = float("inf")) -> list[Candidate]:
+    """Every split up to the freeze index in every allowed wire dtype, and all-in-compute."""
+    out = [evaluate(profile, ALL_IN_COMPUTE, "float32", batch_size, samples, compute_memory_budget)]
+    for split in range(profile.freeze_index + 1):
+        for dtype in dtypes:
+            out.append(evaluate(profile, split, dtype, batch_size, samples, compute_memory_budget))
+    return out
+
+
+def choose(options: list[Candidate]) -> Candidate:
+    """The fastest feasible candidate; among near-ties (1%), the one that moves fewer bytes."""
+    feasible = [c for c in options if c.feasible]
+    if not feasible:
+        raise ValueError("no split fits the compute tier's memory; lower --batch-size")
+    best = min(c.epoch_s for c in feasible)
+    return min((c for c in feasible if c.epoch_s <= best * 1.01), key=lambda c: (c.bytes_per_sample, c.epoch_s))
+
+
+def explain(profile: Profile, options: list[Candidate], chosen: Candidate) -> str:
+    """The whole table of candidates, one line each."""
+    lines = [f"{'candidate':22s} {'after stage':18s} {'KB/sample':>10s} {'storage':>9s} {'network':>9s} "
+             f"{'compute':>9s} {'epoch s':>9s}  bottleneck   (ms per sample)"]
+    for c in options:
+        stage = "-" if c.split <= 0 else profile.stage_names[c.split - 1]
+        mark = "  <- chosen" if c == chosen else ("  (out of memory)" if not c.feasible else "")
+        lines.append(f"{c.label:22s} {stage:18s} {c.bytes_per_sample / 1e3:10.1f} {c.storage_ms:9.2f} "
+                     f"{c.transfer_ms:9.2f} {c.compute_ms:9.2f} {c.epoch_s:9.1f}  {c.bottleneck:10s}{mark}")
+    return "\n".join(lines)
+
+
+def summary(profile: Profile, chosen: Candidate) -> str:
+    """The choice in one line: split, predicted stage times, byte reduction."""
+    reduction = profile.raw_bytes / chosen.bytes_per_sample
+    where = chosen.label if chosen.split <= 0 else f"{chosen.label} (after {profile.stage_names[chosen.split - 1]})"
+    return (f"planner: {where}; predicted per sample storage {chosen.storage_ms:.2f} ms, network "
+            f"{chosen.transfer_ms:.2f} ms, compute {chosen.compute_ms:.2f} ms ({chosen.bottleneck}-bound); "
+            f"{reduction:.1f}x fewer bytes than the raw objects")

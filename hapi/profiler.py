@@ -1,0 +1,144 @@
+"""Measurements the planner needs, taken on the machine at hand.
+
+Per stage: the real output size per sample (the stage's output tensor, not its internals)
+and the forward time per sample on a tier; for the trainable stages, forward + backward
++ optimiser step per sample; per sample decode time. Nothing here is hard-coded for one
+kind of hardware: each tier times itself (the storage node through its profile endpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hapi.models import StagedModel
+from hapi.synthetic import render_jpeg
+from hapi.transforms import TransformSpec, preprocess
+
+
+@dataclass(frozen=True)
+class TierTimes:
+    """One tier's measured costs, in milliseconds per sample."""
+
+    host: str
+    batch_size: int
+    threads: int
+    decode_ms: float  # fetch excluded: JPEG decode + transform
+    forward_ms: tuple[float, ...]  # per stage, eval mode, no gradients
+    train_ms: float = 0.0  # forward + backward + step of the trainable stages (compute tier only)
+
+
+def host_name() -> str:
+    """A hardware key for saved profiles: CPU model and thread count."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} x{torch.get_num_threads()}"
+
+
+def output_elements(model: StagedModel, input_size: int) -> tuple[int, ...]:
+    """Elements per sample of each stage's output (index i: the output of stage i)."""
+    sizes = []
+    x = torch.zeros(1, 3, input_size, input_size)
+    with torch.inference_mode():
+        for stage in model.stages:
+            x = stage(x)
+            sizes.append(x[0].numel())
+    return tuple(sizes)
+
+
+def time_forward(stages: nn.Sequential, input_size: int, batch_size: int, repeats: int = 3) -> tuple[float, ...]:
+    """Per-sample forward time of each stage (ms), eval mode, median over ``repeats``."""
+    runs: list[list[float]] = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first run warms caches and allocators up
+            x = torch.randn(batch_size, 3, input_size, input_size)
+            times = []
+            for stage in stages:
+                started = time.perf_counter()
+                x = stage(x)
+                times.append((time.perf_counter() - started) * 1e3 / batch_size)
+            runs.append(times)
+    return tuple(statistics.median(column) for column in zip(*runs[1:]))
+
+
+def time_decode(transform: TransformSpec, samples: int = 8) -> float:
+    """Per-sample decode + transform time (ms) of ImageNet-sized JPEGs."""
+    blobs = [render_jpeg(i % 10, i) for i in range(samples)]
+    started = time.perf_counter()
+    for i, blob in enumerate(blobs):
+        preprocess(blob, str(i), transform)
+    return (time.perf_counter() - started) * 1e3 / samples
+
+
+def time_training(model: StagedModel, input_size: int, batch_size: int, repeats: int = 3) -> float:
+    """Per-sample forward + backward + SGD step (ms) of the trainable stages, on their real input."""
+    freeze = model.spec.freeze_index
+    with torch.inference_mode():
+        x = torch.randn(batch_size, 3, input_size, input_size)
+        for stage in model.stages[:freeze]:
+            x = stage(x)
+    x = x.clone()  # out of inference mode, so autograd may use it
+    trainable = nn.Sequential(*model.stages[freeze:]).train()
+    optimizer = torch.optim.SGD(trainable.parameters(), lr=0.0)  # lr 0: time it, change nothing
+    labels = torch.zeros(batch_size, dtype=torch.long)  # class 0 exists whatever the head's width
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        loss = nn.functional.cross_entropy(trainable(x), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        times.append((time.perf_counter() - started) * 1e3 / batch_size)
+    trainable.eval()
+    return statistics.median(times[1:])
+
+
+def profile_tier(model: StagedModel, input_size: int, batch_size: int, stages_upto: int,
+                 with_training: bool) -> TierTimes:
+    """Time this host: decode, forward of stages [0, stages_upto), and training if asked."""
+    transform = TransformSpec(crop_size=input_size, resize_size=round(input_size * 256 / 224))
+    return TierTimes(
+        host=host_name(), batch_size=batch_size, threads=torch.get_num_threads(),
+        decode_ms=time_decode(transform),
+        forward_ms=time_forward(nn.Sequential(*model.stages[:stages_upto]), input_size, batch_size),
+        train_ms=time_training(model, input_size, batch_size) if with_training else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Everything the planner weighs for one model, input size and pair of hosts."""
+
+    model: str
+    input_size: int
+    stage_names: tuple[str, ...]
+    freeze_index: int
+    output_elements: tuple[int, ...]
+    storage: TierTimes
+    compute: TierTimes
+    raw_bytes: float  # mean encoded object size per sample
+    bandwidth: float  # bytes/s between the tiers
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        body = json.loads(text)
+        for tier in ("storage", "compute"):
+            body[tier] = TierTimes(**{**body[tier], "forward_ms": tuple(body[tier]["forward_ms"])})
+        return cls(**{**body, "stage_names": tuple(body["stage_names"]),
+                      "output_elements": tuple(body["output_elements"])})

@@ -1,0 +1,86 @@
+"""The cost model on synthetic profiles whose best split is known by construction."""
+
+import pytest
+
+from hapi.planner import ALL_IN_COMPUTE, candidates, choose, evaluate, explain, summary
+from hapi.profiler import Profile, TierTimes
+
+# A toy 6-stage network, freeze index 4: outputs per sample (elements) shrink unevenly;
+# stage 2's output is smaller than stage 3's (non-monotone, like DenseNet's transitions).
+OUTPUTS = (40_000, 30_000, 2_000, 9_000, 1_000, 10)
+
+
+def profile(bandwidth: float, storage_ms: float = 1.0, compute_ms: float = 1.0, decode_ms: float = 2.0,
+            train_ms: float = 0.5, raw_bytes: float = 100_000, storage_decode_ms: float | None = None) -> Profile:
+    """Every stage costs the same on a tier: storage_ms or compute_ms per sample."""
+    def tier(ms: float, decode: float, train: float) -> TierTimes:
+        return TierTimes("toy", 32, 1, decode, (ms,) * len(OUTPUTS), train)
+    storage = tier(storage_ms, decode_ms if storage_decode_ms is None else storage_decode_ms, 0.0)
+    return Profile("toy", 64, tuple(f"s{i}" for i in range(6)), 4, OUTPUTS,
+                   storage, tier(compute_ms, decode_ms, train_ms), raw_bytes, bandwidth)
+
+
+def test_a_slow_network_cuts_at_the_smallest_output_even_if_not_the_last() -> None:
+    p = profile(bandwidth=1e6)  # 1 MB/s: bytes dominate everything
+    best = choose(candidates(p, 32, 1000))
+    assert best.split == 3 and best.bottleneck == "network"  # stage 2's 8 KB, not stage 3's 36 KB
+
+
+def test_a_narrower_wire_dtype_halves_the_bytes_when_allowed() -> None:
+    p = profile(bandwidth=1e6)
+    best = choose(candidates(p, 32, 1000, dtypes=("float32", "float16")))
+    assert (best.split, best.dtype) == (3, "float16")
+
+
+def test_a_fast_network_and_a_busy_storage_node_keep_work_on_the_compute_tier() -> None:
+    p = profile(bandwidth=1e12, storage_ms=50.0, compute_ms=0.1, decode_ms=0.5, storage_decode_ms=20.0)
+    assert choose(candidates(p, 32, 1000)).split == ALL_IN_COMPUTE
+
+
+def test_a_slow_compute_tier_pushes_every_frozen_stage_down() -> None:
+    p = profile(bandwidth=1e9, storage_ms=0.1, compute_ms=10.0)
+    best = choose(candidates(p, 32, 1000))
+    assert best.split == 4 and best.compute_ms == pytest.approx(0.5)
+
+
+def test_epoch_time_is_the_pipelined_sum() -> None:
+    p = profile(bandwidth=1e6)
+    c = evaluate(p, 2, "float32", batch_size=10, samples=100)
+    assert c.bytes_per_sample == 30_000 * 4
+    assert c.storage_ms == pytest.approx(2.0 + 2 * 1.0)
+    assert c.transfer_ms == pytest.approx(120.0)
+    assert c.compute_ms == pytest.approx(2 * 1.0 + 0.5)
+    expected = 100 * 120.0 + 10 * (4.0 + 2.5)  # steady state on the slowest, plus fill and drain
+    assert c.epoch_s == pytest.approx(expected / 1e3)
+
+
+def test_all_in_compute_ships_raw_objects_and_decodes_here() -> None:
+    c = evaluate(profile(bandwidth=1e6), ALL_IN_COMPUTE, "float32", 32, 1000)
+    assert c.bytes_per_sample == 100_000 and c.storage_ms == 0
+    assert c.compute_ms == pytest.approx(2.0 + 4 * 1.0 + 0.5)
+
+
+def test_memory_budget_drops_candidates_and_says_so() -> None:
+    p = profile(bandwidth=1e9, storage_ms=0.1, compute_ms=10.0)
+    everything = candidates(p, 32, 1000)
+    budget = min(c.compute_memory for c in everything) + 1
+    limited = candidates(p, 32, 1000, compute_memory_budget=budget)
+    assert any(not c.feasible for c in limited)
+    assert choose(limited).compute_memory <= budget
+    with pytest.raises(ValueError, match="lower --batch-size"):
+        choose(candidates(p, 32, 1000, compute_memory_budget=1))
+
+
+def test_explain_lists_every_candidate_and_marks_the_choice() -> None:
+    p = profile(bandwidth=1e6)
+    options = candidates(p, 32, 1000)
+    chosen = choose(options)
+    table = explain(p, options, chosen)
+    assert len(table.splitlines()) == 1 + 1 + 5  # header, all-in-compute, splits 0..4
+    assert "<- chosen" in table.splitlines()[1 + 1 + chosen.split]
+    assert "split 3 float32 (after s2)" in summary(p, chosen) and "12.5x fewer bytes" in summary(p, chosen)
+
+
+def test_profile_round_trips_through_json() -> None:
+    p = profile(bandwidth=1e6)
+    assert Profile.from_json(p.to_json()) == p
