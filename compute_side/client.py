@@ -12,7 +12,7 @@ import urllib3
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from hapi.wire import TOKEN_ENV, ExtractRequest, decode_features
+from hapi.wire import TOKEN_ENV, ExtractRequest, ProfileRequest, decode_features
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,10 @@ class StorageClient:
 
     def health(self) -> dict:
         return self._json("GET", "/healthz")
+
+    def profile(self, request: ProfileRequest) -> dict:
+        """The node's own timings of each frozen stage (``POST /v1/profile``)."""
+        return self._json("POST", "/v1/profile", json=request.to_json())
 
     def _json(self, method: str, path: str, **kwargs: object) -> dict:
         try:

@@ -34,10 +34,12 @@ class Batch:
     features: torch.Tensor
     labels: torch.Tensor
     keys: tuple[str, ...]
+    split: int  # the stage whose input ``features`` are
     wire_bytes: int  # bytes received for this batch
     raw_bytes: int  # bytes of the encoded images it covers
     requests: int
     wait_s: float  # time the trainer waited for it
+    elapsed_ms: float  # summed wall time of its requests
     timings: dict[str, float] = field(default_factory=dict)  # summed over its requests, ms
 
 
@@ -75,7 +77,7 @@ class PipelinedLoader:
     """Yields batches in order while up to ``depth`` requests are in flight.
 
     ``depth`` 0 fetches each batch only when the trainer asks for it: no overlap, the
-    baseline of the overlap benchmark.
+    baseline of the overlap benchmark. ``source`` may be replaced between batches.
     """
 
     def __init__(self, source: Source, request_size: int = 32, depth: int = 4) -> None:
@@ -93,13 +95,17 @@ class PipelinedLoader:
             return
         queue = ((i, chunk) for i, plan in enumerate(plans) for chunk in plan)
         in_flight: deque[tuple[int, Future[Part]]] = deque()
+        # A batch's requests all go to the source current when its first one left, so a
+        # switch of source (re-planning) takes effect at a batch boundary.
+        batch_source: dict[int, Source] = {}
         with ThreadPoolExecutor(self.depth, thread_name_prefix="fetch") as pool:
             def top_up() -> None:
                 while len(in_flight) < self.depth:
                     nxt = next(queue, None)
                     if nxt is None:
                         return
-                    in_flight.append((nxt[0], pool.submit(self.source.fetch, nxt[1], epoch)))
+                    source = batch_source.setdefault(nxt[0], self.source)
+                    in_flight.append((nxt[0], pool.submit(source.fetch, nxt[1], epoch)))
 
             try:
                 for index, batch in enumerate(batches):
@@ -124,9 +130,11 @@ def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float) -> Batc
         features=torch.cat([p.features for p in parts]) if len(parts) > 1 else parts[0].features,
         labels=torch.tensor([s.label for s in batch]),
         keys=tuple(s.key for s in batch),
+        split=parts[0].split,
         wire_bytes=sum(p.wire_bytes for p in parts),
         raw_bytes=sum(s.size for s in batch),
         requests=len(parts),
         wait_s=wait_s,
+        elapsed_ms=sum(p.elapsed_ms for p in parts),
         timings=timings,
     )

@@ -29,8 +29,10 @@ class Part:
     """The inputs of stage ``split`` for one request's samples."""
 
     features: torch.Tensor
+    split: int  # the stage whose input these are
     wire_bytes: int  # bytes that crossed the storage-compute network
-    timings: dict[str, float] = field(default_factory=dict)  # where the time went, in ms
+    elapsed_ms: float  # wall time of the request, as the compute tier saw it
+    timings: dict[str, float] = field(default_factory=dict)  # where the source's time went, in ms
 
 
 class PushdownSource:
@@ -54,6 +56,7 @@ class PushdownSource:
         first = next(self._turn)
         for attempt in range(len(self.clients)):
             client = self.clients[(first + attempt) % len(self.clients)]
+            started = time.perf_counter()
             try:
                 extracted = client.extract(request)
             except StorageNodeError as exc:
@@ -62,7 +65,8 @@ class PushdownSource:
                     raise
                 log.warning("%s; retrying on another node", exc)
                 continue
-            return Part(extracted.features, extracted.wire_bytes, dict(extracted.metadata.get("timings", {})))
+            return Part(extracted.features, request.split, extracted.wire_bytes,
+                        (time.perf_counter() - started) * 1e3, dict(extracted.metadata.get("timings", {})))
         raise AssertionError("unreachable: the loop returns or raises")
 
 
@@ -86,5 +90,6 @@ class RawObjectSource:
         blobs = read_samples(self.store, keys, self.pool)
         fetched = time.perf_counter()
         inputs = list(self.pool.map(lambda kb: preprocess(kb[1], kb[0], self.transform, epoch), zip(keys, blobs)))
-        timings = {"fetch_ms": (fetched - started) * 1e3, "decode_ms": (time.perf_counter() - fetched) * 1e3}
-        return Part(torch.stack(inputs), sum(len(b) for b in blobs), timings)
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        timings = {"fetch_ms": (fetched - started) * 1e3, "decode_ms": elapsed_ms - (fetched - started) * 1e3}
+        return Part(torch.stack(inputs), 0, sum(len(b) for b in blobs), elapsed_ms, timings)

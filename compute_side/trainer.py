@@ -26,11 +26,16 @@ class TrainConfig:
 
 
 class HeadTrainer:
-    def __init__(self, model: StagedModel, split: int, config: TrainConfig) -> None:
-        model.check_split(split)
-        freeze = model.spec.freeze_index
-        self.frozen = nn.Sequential(*model.stages[split:freeze]).eval().requires_grad_(False)
-        self.trainable = nn.Sequential(*model.stages[freeze:]).train()
+    """Trains the stages after the freeze index; runs the frozen ones a batch still needs.
+
+    Each batch says where it was cut (its ``split``), so the split may change from one
+    batch to the next (re-planning) without touching what is trained.
+    """
+
+    def __init__(self, model: StagedModel, config: TrainConfig) -> None:
+        self.freeze = model.spec.freeze_index
+        self.frozen = nn.Sequential(*model.stages[: self.freeze]).eval().requires_grad_(False)
+        self.trainable = nn.Sequential(*model.stages[self.freeze:]).train()
         params = [p for p in self.trainable.parameters() if p.requires_grad]
         if config.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
@@ -41,17 +46,17 @@ class HeadTrainer:
             raise ValueError(f"unknown optimizer {config.optimizer!r}; choose one of {OPTIMIZERS}")
         self.loss_fn = nn.CrossEntropyLoss()
 
-    def _frozen_forward(self, features: torch.Tensor) -> torch.Tensor:
+    def _frozen_forward(self, features: torch.Tensor, split: int) -> torch.Tensor:
         with torch.no_grad():
             # Features may arrive in a narrower wire dtype; the model computes in float32.
-            return self.frozen(features.float())
+            return self.frozen[split:](features.float())
 
-    def train_step(self, features: torch.Tensor, labels: torch.Tensor) -> float:
-        """One optimiser step on exactly this batch; returns its mean loss."""
+    def train_step(self, features: torch.Tensor, labels: torch.Tensor, split: int) -> float:
+        """One optimiser step on exactly this batch, cut at ``split``; returns its mean loss."""
         # BatchNorm cannot take batch statistics of one sample; such a (last, partial)
         # batch still trains, on the running statistics.
         self.trainable.train(len(labels) > 1)
-        logits = self.trainable(self._frozen_forward(features))
+        logits = self.trainable(self._frozen_forward(features, split))
         loss = self.loss_fn(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -59,10 +64,10 @@ class HeadTrainer:
         return loss.item()
 
     @torch.no_grad()
-    def evaluate_batch(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+    def evaluate_batch(self, features: torch.Tensor, labels: torch.Tensor, split: int) -> tuple[float, int]:
         """(summed loss, number correct) on one batch, with the head in eval mode."""
         self.trainable.eval()
-        logits = self.trainable(self._frozen_forward(features))
+        logits = self.trainable(self._frozen_forward(features, split))
         loss = nn.functional.cross_entropy(logits, labels, reduction="sum").item()
         return loss, int((logits.argmax(1) == labels).sum())
 

@@ -46,7 +46,7 @@ def per_iteration(loader: PipelinedLoader, batches: list, trainer: HeadTrainer |
         if i == warmup:
             started = time.perf_counter()
         if trainer is not None:
-            trainer.train_step(batch.features, batch.labels)
+            trainer.train_step(batch.features, batch.labels, batch.split)
     return (time.perf_counter() - started) / (len(batches) - warmup)
 
 
@@ -68,7 +68,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model = build_model(args.model, input_size=args.image_size)
     model.replace_head(10)
-    trainer = HeadTrainer(model, args.split, TrainConfig())
+    trainer = HeadTrainer(model, TrainConfig())
     transform = TransformSpec(crop_size=args.image_size, resize_size=round(args.image_size * 256 / 224))
     template = ExtractRequest(keys=(), model=args.model, split=args.split, transform=transform)
 
@@ -89,7 +89,7 @@ def main() -> None:
                     per_iteration(PipelinedLoader(source, args.request_size, 0), batches, None, warmup))
                 started = time.perf_counter()
                 for batch in cached[warmup:]:
-                    trainer.train_step(batch.features, batch.labels)
+                    trainer.train_step(batch.features, batch.labels, batch.split)
                 rows["compute alone"].append((time.perf_counter() - started) / (len(cached) - warmup))
                 for d in depths:
                     rows[f"depth {d}"].append(

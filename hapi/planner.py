@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hapi.profiler import Profile
+from hapi.profile import Profile
 from hapi.wire import WIRE_DTYPES
 
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier

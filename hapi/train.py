@@ -15,28 +15,32 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from compute_side import deployment
 from compute_side.client import StorageClient, StorageNodeError
-from compute_side.daemon_process import local_daemon
 from compute_side.loader import PipelinedLoader, Source, batches_of, epoch_order
+from compute_side.profiling import measure_profile
+from compute_side.replan import Replanner
 from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
-from hapi.datasets import DatasetNotFoundError, Manifest, Sample, load_manifest, make_synthetic
+from hapi.datasets import DatasetNotFoundError, Sample
 from hapi.models import MODELS, StagedModel, build_model
-from hapi.store import MissingObjectError, open_store
+from hapi.planner import ALL_IN_COMPUTE, Candidate, candidates, choose, explain, summary
+from hapi.profile import Profile
+from hapi.store import MissingObjectError, ObjectStore, open_store
 from hapi.transforms import CorruptImageError, TransformSpec
 from hapi.wire import WIRE_DTYPES, ExtractRequest
 
 log = logging.getLogger("hapi.train")
 
-ALL_IN_COMPUTE = "all-in-compute"
+PROFILE_BATCH = 16  # batch size the stage times are measured at
 DEFAULT_DEPTH = 4  # requests in flight; see the overlap benchmark in experiments/overlap.py
 
 
@@ -49,9 +53,14 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="resnet50", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--weights", default="random",
                    help="random (seeded, the offline default), torchvision, or a state_dict file")
-    p.add_argument("--split", default="freeze",
-                   help="stages [0, split) run on the storage tier: an index, 'freeze' (every frozen stage), "
-                        f"or '{ALL_IN_COMPUTE}' (no pushdown: raw objects, whole model here)")
+    p.add_argument("--split", default="auto",
+                   help="stages [0, split) run on the storage tier: auto (the planner's choice, re-planned as "
+                        "the run measures itself), freeze (every frozen stage), all-in-compute (no pushdown: "
+                        "raw objects, whole model here), or an index")
+    p.add_argument("--explain", action="store_true", help="print the planner's table of candidates")
+    p.add_argument("--dtypes", help="wire dtypes the planner may choose, e.g. float32,bfloat16 (default: --dtype)")
+    p.add_argument("--no-replan", dest="replan", action="store_false", help="keep the first plan all run")
+    p.add_argument("--refresh-profile", action="store_true", help="measure stage times even if saved")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32, help="the optimiser's batch, whatever the storage side does")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
@@ -65,14 +74,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="requests in flight while the trainer works (0: no overlap)")
     p.add_argument("--output-dir", type=Path, help="checkpoints and metrics.jsonl (default: CACHE/runs/...)")
     p.add_argument("--resume", type=Path, help="a checkpoint.pt to continue from")
-    deployment = p.add_argument_group("deployment (default: the embedded synthetic data set)")
-    deployment.add_argument("--store", help="s3://bucket/prefix or file:///path of a data set")
-    deployment.add_argument("--endpoint-url", help="S3 endpoint of --store; default $AWS_ENDPOINT_URL")
-    deployment.add_argument("--storage-node", action="append", default=[],
-                            help="URL of a running storage daemon (repeatable); default: start one locally")
-    deployment.add_argument("--cache-dir", type=Path, default=default_cache_dir())
-    deployment.add_argument("--train-per-class", type=int, default=96, help="size of the embedded synthetic set")
-    deployment.add_argument("--val-per-class", type=int, default=24)
+    deployment.add_arguments(p, default_cache_dir())
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -108,20 +110,24 @@ class MetricsLog:
 
 
 def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tuple[Sample, ...], epoch: int,
-                    args: argparse.Namespace, metrics: MetricsLog) -> Totals:
+                    args: argparse.Namespace, metrics: MetricsLog, replanner: Replanner | None = None,
+                    switch: Callable[[Candidate], None] | None = None) -> Totals:
     order = epoch_order(samples, epoch, args.seed)
     totals = Totals()
     started = time.perf_counter()
     with tqdm(total=len(order), desc=f"epoch {epoch + 1}/{args.epochs}", unit="img", leave=False) as bar:
         for step, batch in enumerate(loader.epoch(batches_of(order, args.batch_size), epoch)):
             step_started = time.perf_counter()
-            loss = trainer.train_step(batch.features, batch.labels)
+            loss = trainer.train_step(batch.features, batch.labels, batch.split)
             compute_s = time.perf_counter() - step_started
             n = len(batch.keys)
             totals.add(Totals(n, loss * n, 0, batch.wire_bytes, batch.raw_bytes, batch.wait_s, compute_s))
-            metrics.write({"epoch": epoch, "step": step, "samples": n, "loss": loss, "wait_s": batch.wait_s,
-                           "compute_s": compute_s, "wire_bytes": batch.wire_bytes, "raw_bytes": batch.raw_bytes,
-                           "requests": batch.requests, "source_ms": batch.timings})
+            metrics.write({"epoch": epoch, "step": step, "samples": n, "split": batch.split, "loss": loss,
+                           "wait_s": batch.wait_s, "compute_s": compute_s, "wire_bytes": batch.wire_bytes,
+                           "raw_bytes": batch.raw_bytes, "requests": batch.requests,
+                           "elapsed_ms": batch.elapsed_ms, "source_ms": batch.timings})
+            if replanner is not None and (better := replanner.observe(batch)) is not None:
+                switch(better)
             bar.update(n)
             bar.set_postfix(loss=f"{loss:.3f}")
     totals.seconds = time.perf_counter() - started
@@ -134,7 +140,7 @@ def evaluate(trainer: HeadTrainer, loader: PipelinedLoader, samples: tuple[Sampl
     started = time.perf_counter()
     with tqdm(total=len(samples), desc="validate", unit="img", leave=False) as bar:
         for batch in loader.epoch(batches_of(samples, args.batch_size), epoch=0):
-            loss_sum, correct = trainer.evaluate_batch(batch.features, batch.labels)
+            loss_sum, correct = trainer.evaluate_batch(batch.features, batch.labels, batch.split)
             totals.add(Totals(len(batch.keys), loss_sum, correct, batch.wire_bytes, batch.raw_bytes, batch.wait_s))
             bar.update(len(batch.keys))
     totals.seconds = time.perf_counter() - started
@@ -142,9 +148,9 @@ def evaluate(trainer: HeadTrainer, loader: PipelinedLoader, samples: tuple[Sampl
 
 
 def resolve_split(model: StagedModel, value: str) -> int:
-    """The split index; all-in-compute trains from stage 0 on raw objects."""
-    if value == ALL_IN_COMPUTE:
-        return 0
+    """A fixed split index, or ALL_IN_COMPUTE (raw objects, every stage here)."""
+    if value == "all-in-compute":
+        return ALL_IN_COMPUTE
     split = model.spec.freeze_index if value == "freeze" else _int(value, "--split")
     model.check_split(split)
     return split
@@ -154,47 +160,37 @@ def _int(value: str, flag: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{flag} {value!r}: expected an integer, 'freeze' or '{ALL_IN_COMPUTE}'") from None
+        raise ValueError(f"{flag} {value!r}: expected auto, freeze, all-in-compute or an integer") from None
 
 
-def open_dataset(args: argparse.Namespace) -> tuple[str, Manifest]:
-    """The data set's store URL and manifest; creates the embedded default if needed."""
-    if args.store:
-        store = open_store(args.store, args.endpoint_url)
-        return store.url, load_manifest(store)
-    name = f"synthetic-{args.train_per_class}x{args.val_per_class}"
-    store = open_store((args.cache_dir / "datasets" / name).resolve().as_uri())
-    try:
-        return store.url, load_manifest(store)
-    except DatasetNotFoundError:
-        log.info("creating the synthetic data set in %s (once)", store.url)
-        return store.url, make_synthetic(store, args.train_per_class, args.val_per_class)
+class Sources:
+    """Builds the (train, validation) feature sources for a split and wire dtype."""
 
+    def __init__(self, clients: list[StorageClient], store: ObjectStore, template: ExtractRequest,
+                 eval_transform: TransformSpec) -> None:
+        self.clients, self.store, self.template, self.eval_transform = clients, store, template, eval_transform
 
-@contextmanager
-def feature_sources(args: argparse.Namespace, template: ExtractRequest, eval_transform: TransformSpec,
-                    store_url: str) -> Iterator[tuple[Source, Source]]:
-    """(train, validation) sources: raw objects, given daemons, or a daemon started here."""
-    if args.split == ALL_IN_COMPUTE:
-        store = open_store(store_url, args.endpoint_url)
-        yield RawObjectSource(store, template.transform), RawObjectSource(store, eval_transform)
-        return
-    with _storage_nodes(args, store_url) as urls:
-        clients = [StorageClient(url) for url in urls]
-        for client in clients:
-            client.health()  # a dead node fails here, before any training
+    def build(self, split: int, dtype: str) -> tuple[Source, Source]:
         # Validation never augments: the same centre crop on every run.
-        yield PushdownSource(clients, template), PushdownSource(clients, replace(template, transform=eval_transform))
+        if split == ALL_IN_COMPUTE:
+            return (RawObjectSource(self.store, self.template.transform),
+                    RawObjectSource(self.store, self.eval_transform))
+        train = replace(self.template, split=split, dtype=dtype)
+        return (PushdownSource(self.clients, train),
+                PushdownSource(self.clients, replace(train, transform=self.eval_transform)))
 
 
-@contextmanager
-def _storage_nodes(args: argparse.Namespace, store_url: str) -> Iterator[list[str]]:
-    if args.storage_node:
-        yield args.storage_node
-        return
-    extra = ("--endpoint-url", args.endpoint_url) if args.endpoint_url else ()
-    with local_daemon(store_url, args.cache_dir / "storage-daemon.log", extra) as url:
-        yield [url]
+def plan(args: argparse.Namespace, model: StagedModel, client: StorageClient, template: ExtractRequest,
+         samples: tuple[Sample, ...]) -> tuple[Profile, list[Candidate], Candidate]:
+    """Profile both tiers (stage times cached per hardware) and choose the split."""
+    profile = measure_profile(model, client, template, samples, min(args.batch_size, PROFILE_BATCH),
+                              args.cache_dir / "profiles", refresh=args.refresh_profile)
+    options = candidates(profile, args.batch_size, len(samples), wire_dtypes(args))
+    return profile, options, choose(options)
+
+
+def wire_dtypes(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(args.dtypes.split(",")) if args.dtypes else (args.dtype,)
 
 
 def load_checkpoint(path: Path, expected: dict) -> dict:
@@ -211,12 +207,14 @@ def load_checkpoint(path: Path, expected: dict) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     model = build_model(args.model, args.weights, args.image_size)
-    split = resolve_split(model, args.split)
-    store_url, manifest = open_dataset(args)
+    fixed_split = None if args.split == "auto" else resolve_split(model, args.split)
+    store_url, manifest = deployment.open_dataset(args)
+    train_samples = manifest.split("train")
     torch.manual_seed(args.seed)  # the new head's init and any dropout: same seed, same run
     model.replace_head(len(manifest.classes))
-    trainer = HeadTrainer(model, split, TrainConfig(optimizer=args.optimizer, lr=args.lr))
-    setup = {"model": args.model, "weights": model.weights_id, "split": split, "classes": len(manifest.classes),
+    trainer = HeadTrainer(model, TrainConfig(optimizer=args.optimizer, lr=args.lr))
+    # The split is not part of it: where features were computed never changes what is learned.
+    setup = {"model": args.model, "weights": model.weights_id, "classes": len(manifest.classes),
              "batch_size": args.batch_size, "seed": args.seed}
     start_epoch = 0
     if args.resume:
@@ -229,37 +227,58 @@ def main(args: argparse.Namespace) -> int:
 
     crop = args.image_size or model.spec.input_size
     eval_transform = TransformSpec(crop_size=crop, resize_size=round(crop * 256 / 224), seed=args.seed)
-    template = ExtractRequest(keys=(), model=args.model, split=split, weights=model.weights_id,
+    template = ExtractRequest(keys=(), model=args.model, split=0, weights=model.weights_id,
                               transform=replace(eval_transform, augment=args.augment),
                               dtype=args.dtype, job_id=f"train-{os.getpid()}")
-    where = ("all-in-compute: raw objects, every stage here" if args.split == ALL_IN_COMPUTE else
-             f"split {split}/{len(model)}: storage runs up to {model.stage_names[split - 1] if split else 'input'!r}")
-    print(f"HAPI: {args.model}, {where} (freeze index {model.spec.freeze_index}); "
-          f"data set {manifest.name!r} at {store_url}; run in {run_dir}")
-
     metrics = MetricsLog(run_dir / "metrics.jsonl")
     total = Totals()
     val = Totals()
-    try:
-        with feature_sources(args, template, eval_transform, store_url) as (train_source, val_source):
-            train_loader = PipelinedLoader(train_source, args.request_size, args.depth)
-            val_loader = PipelinedLoader(val_source, args.request_size, args.depth)
-            for epoch in range(start_epoch, args.epochs):
-                stats = train_one_epoch(trainer, train_loader, manifest.split("train"), epoch, args, metrics)
-                val = evaluate(trainer, val_loader, manifest.split("val"), args)
-                torch.save({"epoch": epoch + 1, "setup": setup, "trainer": trainer.state_dict()},
-                           run_dir / "checkpoint.pt")
-                summary = {"epoch": epoch, "train": asdict(stats), "val": asdict(val)}
-                metrics.write(summary)
-                print(f"epoch {epoch + 1}: train loss {stats.loss_sum / stats.samples:.4f}, "
-                      f"{stats.samples / stats.seconds:.1f} samples/s | "
-                      f"val loss {val.loss_sum / val.samples:.4f}, accuracy {val.correct / val.samples:.3f}")
-                total.add(stats)
-    finally:
-        metrics.close()
+    with ExitStack() as stack:
+        stack.callback(metrics.close)
+        clients = ([] if fixed_split == ALL_IN_COMPUTE else
+                   stack.enter_context(deployment.storage_nodes(args, store_url)))
+        replanner = None
+        if fixed_split is None:
+            profile, options, chosen = plan(args, model, clients[0], template, train_samples)
+            print(summary(profile, chosen))
+            if args.explain:
+                print(explain(profile, options, chosen))
+            split, dtype = chosen.split, chosen.dtype
+            if args.replan:
+                replanner = Replanner(profile, chosen, args.batch_size, len(train_samples), wire_dtypes(args))
+        else:
+            split, dtype = fixed_split, args.dtype
+        sources = Sources(clients, open_store(store_url, args.endpoint_url), template, eval_transform)
+        train_loader = PipelinedLoader(sources.build(split, dtype)[0], args.request_size, args.depth)
+        val_loader = PipelinedLoader(sources.build(split, dtype)[1], args.request_size, args.depth)
+        print(f"HAPI: {args.model}, {describe_split(model, split)} (freeze index {model.spec.freeze_index}); "
+              f"data set {manifest.name!r} at {store_url}; run in {run_dir}")
+
+        def switch(candidate: Candidate) -> None:
+            train_loader.source, val_loader.source = sources.build(candidate.split, candidate.dtype)
+            tqdm.write(f"re-planned: now {describe_split(model, candidate.split)}, {candidate.dtype} "
+                       f"({candidate.bottleneck}-bound, predicted {candidate.epoch_s:.1f} s/epoch)")
+            metrics.write({"replan": asdict(candidate)})
+
+        for epoch in range(start_epoch, args.epochs):
+            stats = train_one_epoch(trainer, train_loader, train_samples, epoch, args, metrics, replanner, switch)
+            val = evaluate(trainer, val_loader, manifest.split("val"), args)
+            torch.save({"epoch": epoch + 1, "setup": setup, "trainer": trainer.state_dict()},
+                       run_dir / "checkpoint.pt")
+            metrics.write({"epoch": epoch, "train": asdict(stats), "val": asdict(val)})
+            print(f"epoch {epoch + 1}: train loss {stats.loss_sum / stats.samples:.4f}, "
+                  f"{stats.samples / stats.seconds:.1f} samples/s | "
+                  f"val loss {val.loss_sum / val.samples:.4f}, accuracy {val.correct / val.samples:.3f}")
+            total.add(stats)
     if total.samples:
         print(report(total, val))
     return 0
+
+
+def describe_split(model: StagedModel, split: int) -> str:
+    if split == ALL_IN_COMPUTE:
+        return "all-in-compute: raw objects, every stage here"
+    return f"split {split}/{len(model)}: storage runs up to {model.stage_names[split - 1] if split else 'input'!r}"
 
 
 def report(total: Totals, val: Totals) -> str:

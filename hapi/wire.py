@@ -110,3 +110,46 @@ def decode_features(blob: bytearray) -> tuple[torch.Tensor, tuple[str, ...], dic
     if len(keys) != (shape[0] if shape else 0):
         raise WireError(f"features hold {shape[0] if shape else 0} rows for {len(keys)} keys")
     return data.view(shape), keys, {name: json.loads(value) for name, value in meta.items()}
+
+
+@dataclass(frozen=True)
+class ProfileRequest:
+    """Time each frozen stage of ``model`` on a storage node, at each of ``batch_sizes``.
+
+    The node answers with milliseconds per stage and batch size, output bytes per sample,
+    and its measured memory model: what a planner needs to cost a split on that node.
+    """
+
+    model: str
+    weights: str = RANDOM_WEIGHTS
+    input_size: int = 224
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    repeats: int = 3  # timings are the median of this many runs
+    job_id: str = "profile"
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "weights": self.weights, "input_size": self.input_size,
+                "batch_sizes": list(self.batch_sizes), "repeats": self.repeats, "job_id": self.job_id}
+
+    @classmethod
+    def from_json(cls, body: object) -> ProfileRequest:
+        if not isinstance(body, dict):
+            raise WireError("request body must be a JSON object")
+        unknown = set(body) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise WireError(f"unknown field(s) {sorted(unknown)}")
+        if "model" not in body:
+            raise WireError("missing field 'model'")
+        checks = {"model": str, "weights": str, "input_size": int, "repeats": int, "job_id": str}
+        for name, kind in checks.items():
+            if name in body and (not isinstance(body[name], kind) or isinstance(body[name], bool)):
+                raise WireError(f"{name!r} must be a {kind.__name__}, got {body[name]!r}")
+        sizes = body.get("batch_sizes", list(cls.batch_sizes))
+        if (not isinstance(sizes, list) or not sizes
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes)):
+            raise WireError(f"'batch_sizes' must be a non-empty list of positive integers, got {sizes!r}")
+        if not 8 <= body.get("input_size", cls.input_size) <= 4096:
+            raise WireError(f"input_size {body['input_size']} not in 8..4096")
+        if not 1 <= body.get("repeats", cls.repeats) <= 20:
+            raise WireError(f"repeats {body['repeats']} not in 1..20")
+        return cls(**{**body, "batch_sizes": tuple(sizes)})

@@ -45,7 +45,7 @@ class RecordingSource:
         if self.fail_on in [s.key for s in samples]:
             raise RuntimeError(f"cannot read {self.fail_on}")
         rows = torch.tensor([[float(s.key.rsplit("/", 1)[1].split(".")[0].replace("-", ""))] for s in samples])
-        return Part(rows, wire_bytes=8 * len(samples), timings={"forward_ms": 1.0})
+        return Part(rows, split=0, wire_bytes=8 * len(samples), elapsed_ms=1.0, timings={"forward_ms": 1.0})
 
 
 def test_epoch_order_is_a_reproducible_permutation() -> None:

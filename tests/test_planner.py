@@ -3,7 +3,7 @@
 import pytest
 
 from hapi.planner import ALL_IN_COMPUTE, candidates, choose, evaluate, explain, summary
-from hapi.profiler import Profile, TierTimes
+from hapi.profile import Profile, TierTimes
 
 # A toy 6-stage network, freeze index 4: outputs per sample (elements) shrink unevenly;
 # stage 2's output is smaller than stage 3's (non-monotone, like DenseNet's transitions).

@@ -26,7 +26,7 @@ def cache_dir(tmp_path_factory):
 
 
 def test_embedded_default_trains_and_reports(cache_dir, capsys) -> None:
-    assert cli([*SMALL, "--cache-dir", str(cache_dir)]) == 0
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--split", "freeze"]) == 0
     out = capsys.readouterr().out
     assert "split 11/15" in out and "'layer4.0'" in out
     assert "trained 40 samples" in out
@@ -112,10 +112,11 @@ def test_the_split_does_not_change_what_is_learned(cache_dir, tmp_path, capsys) 
 
 def test_resume_continues_where_the_checkpoint_left_off(cache_dir, tmp_path, capsys) -> None:
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--epochs", "2", "--output-dir", str(straight)]) == 0
-    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--epochs", "1", "--output-dir", str(resumed)]) == 0
+    small = [*SMALL, "--split", "freeze"]
+    assert cli([*small, "--cache-dir", str(cache_dir), "--epochs", "2", "--output-dir", str(straight)]) == 0
+    assert cli([*small, "--cache-dir", str(cache_dir), "--epochs", "1", "--output-dir", str(resumed)]) == 0
     resume = ["--resume", str(resumed / "checkpoint.pt")]
-    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--epochs", "2", *resume]) == 0
+    assert cli([*small, "--cache-dir", str(cache_dir), "--epochs", "2", *resume]) == 0
     out = capsys.readouterr().out
     assert out.count("epoch 2:") == 2
     for name, value in _trained(straight).items():
@@ -127,7 +128,19 @@ def test_resume_continues_where_the_checkpoint_left_off(cache_dir, tmp_path, cap
 
 
 def test_resume_refuses_a_checkpoint_of_another_setup(cache_dir, tmp_path, capsys) -> None:
-    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--output-dir", str(tmp_path)]) == 0
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--split", "freeze", "--output-dir", str(tmp_path)]) == 0
     resume = ["--resume", str(tmp_path / "checkpoint.pt")]
-    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--split", "4", *resume]) == 1
-    assert "checkpoint has split=11, this run 4" in capsys.readouterr().err
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--split", "4", *resume, "--batch-size", "4"]) == 1
+    assert "checkpoint has batch_size=8, this run 4" in capsys.readouterr().err
+
+
+def test_auto_split_explains_its_choice_and_trains(cache_dir, capsys) -> None:
+    assert cli([*SMALL, "--cache-dir", str(cache_dir), "--explain", "--dtypes", "float32,bfloat16"]) == 0
+    out = capsys.readouterr().out
+    planner_line = next(line for line in out.splitlines() if line.startswith("planner: "))
+    assert "predicted per sample storage" in planner_line and "fewer bytes than the raw objects" in planner_line
+    table = [line for line in out.splitlines() if line.startswith(("split ", "all-in-compute "))]
+    assert len(table) == 1 + 2 * 12  # all-in-compute, splits 0..11 in two dtypes
+    assert sum("<- chosen" in line for line in table) == 1
+    assert "trained 40 samples" in out
+    assert list((cache_dir / "profiles").glob("resnet18-64-*.json"))  # stage times saved for next time

@@ -1,0 +1,85 @@
+"""Measuring the storage tier and the link from the compute tier, for the planner."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from compute_side.client import StorageClient
+from hapi.datasets import Sample
+from hapi.models import StagedModel
+from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
+from hapi.wire import ExtractRequest, ProfileRequest
+
+log = logging.getLogger(__name__)
+
+# Server-side timings that are work on the request, not waiting in a queue or loading a model.
+_WORK_TIMINGS = ("fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
+
+
+def storage_tier_times(client: StorageClient, template: ExtractRequest, batch_size: int,
+                       samples: Sequence[Sample]) -> TierTimes:
+    """The node's per-sample forward time per frozen stage (it times itself) and decode time.
+
+    Decode is measured on real objects of the data set: a split-0 request does nothing
+    else.
+    """
+    body = client.profile(ProfileRequest(template.model, template.weights, template.transform.crop_size,
+                                         (batch_size,), job_id=template.job_id))
+    forward = tuple(stage["ms"][str(batch_size)] / batch_size for stage in body["stages"])
+    extracted = client.extract(replace(template, keys=tuple(s.key for s in samples), split=0))
+    decode = extracted.metadata["timings"]
+    decode_ms = (decode.get("decode_wait_ms", 0.0) + decode.get("forward_ms", 0.0)) / len(samples)
+    host = f"storage node {client.url} ({body['cpu_count']} cpus, {body['torch_threads']} threads)"
+    return TierTimes(host, batch_size, body["torch_threads"], decode_ms, forward)
+
+
+def measure_bandwidth(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
+                      rounds: int = 3) -> float:
+    """Bytes/s between the tiers: decoded images (the largest payload) timed end to end,
+    less the time the node reports working on them. Best of ``rounds``."""
+    request = replace(template, keys=tuple(s.key for s in samples), split=0, dtype="float32")
+    best = 0.0
+    for _ in range(rounds):
+        started = time.perf_counter()
+        extracted = client.extract(request)
+        elapsed = time.perf_counter() - started
+        server_s = sum(extracted.metadata["timings"].get(name, 0.0) for name in _WORK_TIMINGS) / 1e3
+        best = max(best, extracted.wire_bytes / max(elapsed - server_s, 1e-6))
+    return best
+
+
+def measure_profile(model: StagedModel, client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
+                    batch_size: int, profiles_dir: Path, refresh: bool = False) -> Profile:
+    """Both tiers' stage times (from a saved profile when one matches) and a fresh link probe.
+
+    Stage times depend on the hardware, model and input size, and are saved under
+    ``profiles_dir``; the bandwidth and the raw object size change, and are measured anew.
+    """
+    input_size = template.transform.crop_size
+    probe = samples[: min(len(samples), 8)]
+    bandwidth = measure_bandwidth(client, template, probe)
+    raw_bytes = sum(s.size for s in samples) / len(samples)
+    compute_host = host_name()
+    node = client.url
+    saved = profiles_dir / f"{model.spec.name}-{input_size}-b{batch_size}-{_digest(node, compute_host)}.json"
+    if saved.is_file() and not refresh:
+        profile = Profile.from_json(saved.read_text())
+        log.info("stage times from %s", saved)
+        return replace(profile, raw_bytes=raw_bytes, bandwidth=bandwidth)
+    storage = storage_tier_times(client, template, batch_size, probe)
+    compute = profile_tier(model, input_size, batch_size, model.spec.freeze_index, with_training=True)
+    profile = Profile(model.spec.name, input_size, model.stage_names, model.spec.freeze_index,
+                      output_elements(model, input_size), storage, compute, raw_bytes, bandwidth)
+    profiles_dir.mkdir(parents=True, exist_ok=True)
+    saved.write_text(profile.to_json())
+    log.info("profile saved to %s", saved)
+    return profile
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha1("|".join(parts).encode()).hexdigest()[:10]

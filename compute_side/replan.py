@@ -1,0 +1,88 @@
+"""Re-planning: the loader's own measurements, compared with the plan, while training runs.
+
+Every ``every`` batches the measured storage time per sample and the measured bandwidth
+update the profile; the planner runs again, and the run switches split (at the next
+batch boundary) when the new choice is predicted to be clearly faster. Nothing is lost or
+repeated by a switch: each batch carries the split it was cut at.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from compute_side.loader import Batch
+from hapi.planner import ALL_IN_COMPUTE, Candidate, candidates, choose, evaluate
+from hapi.profile import Profile
+
+log = logging.getLogger(__name__)
+
+# Server-side work on a request, queueing in the node included: a busy node is slower storage.
+_STORAGE_TIMINGS = ("queue_ms", "fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
+
+
+@dataclass
+class _Window:
+    samples: int = 0
+    storage_ms: float = 0.0
+    wire_bytes: int = 0
+    transfer_ms: float = 0.0
+    best_rate: float = 0.0  # bytes/s of the least contended request
+
+
+class Replanner:
+    def __init__(self, profile: Profile, chosen: Candidate, batch_size: int, samples: int,
+                 dtypes: tuple[str, ...], every: int = 8, min_gain: float = 0.15) -> None:
+        self.profile = profile
+        self.chosen = chosen
+        self.batch_size = batch_size
+        self.samples = samples
+        self.dtypes = dtypes
+        self.every = every
+        self.min_gain = min_gain
+        self._window = _Window()
+        self._batches = 0
+
+    def observe(self, batch: Batch) -> Candidate | None:
+        """Account one trained batch; a new candidate when the run should switch to it."""
+        if batch.split != max(self.chosen.split, 0):
+            return None  # cut before the last switch: it measures the old plan
+        w = self._window
+        n = len(batch.keys)
+        storage_ms = sum(batch.timings.get(name, 0.0) for name in _STORAGE_TIMINGS)
+        if self.chosen.split == ALL_IN_COMPUTE:
+            transfer_ms, storage_ms = batch.timings.get("fetch_ms", 0.0), 0.0
+        else:
+            transfer_ms = max(batch.elapsed_ms - storage_ms, 1e-3)
+        w.samples += n
+        w.storage_ms += storage_ms
+        w.wire_bytes += batch.wire_bytes
+        w.transfer_ms += transfer_ms
+        w.best_rate = max(w.best_rate, batch.wire_bytes / (transfer_ms / 1e3))
+        self._batches += 1
+        if self._batches % self.every:
+            return None
+        return self._replan()
+
+    def _replan(self) -> Candidate | None:
+        w, self._window = self._window, _Window()
+        measured_bandwidth = max(w.best_rate, w.wire_bytes / (w.transfer_ms / 1e3))
+        profile = replace(self.profile, bandwidth=measured_bandwidth)
+        if self.chosen.split != ALL_IN_COMPUTE and self.chosen.storage_ms > 0:
+            # Scale the node's stage times by how much slower (busier) it measured than planned.
+            scale = (w.storage_ms / w.samples) / evaluate(self.profile, self.chosen.split, self.chosen.dtype,
+                                                          self.batch_size, self.samples).storage_ms
+            storage = self.profile.storage
+            profile = replace(profile, storage=replace(
+                storage, decode_ms=storage.decode_ms * scale,
+                forward_ms=tuple(ms * scale for ms in storage.forward_ms)))
+        self.profile = profile
+        current = evaluate(profile, self.chosen.split, self.chosen.dtype, self.batch_size, self.samples)
+        best = choose(candidates(profile, self.batch_size, self.samples, self.dtypes))
+        log.info("re-plan: bandwidth %.1f MB/s; current %s %.1f s/epoch, best %s %.1f s/epoch",
+                 measured_bandwidth / 1e6, current.label, current.epoch_s, best.label, best.epoch_s)
+        if (best.split, best.dtype) != (self.chosen.split, self.chosen.dtype) \
+                and best.epoch_s < current.epoch_s * (1 - self.min_gain):
+            self.chosen = best
+            return best
+        return None

@@ -1,0 +1,62 @@
+"""Re-planning: measurements that drift from the plan switch the split, losing nothing."""
+
+from collections import Counter
+
+import torch
+
+from compute_side.loader import Batch, PipelinedLoader, batches_of
+from compute_side.replan import Replanner
+from compute_side.sources import Part
+from hapi.datasets import Sample
+from hapi.planner import candidates, choose, evaluate
+from test_planner import profile
+
+
+def _batch(split: int, n: int, wire_bytes: int, storage_ms: float, elapsed_ms: float) -> Batch:
+    return Batch(torch.zeros(n, 1), torch.zeros(n, dtype=torch.long), tuple(f"k{i}" for i in range(n)), split,
+                 wire_bytes, 100_000 * n, 1, 0.0, elapsed_ms, {"forward_ms": storage_ms})
+
+
+def test_a_link_that_slows_down_moves_the_split_to_fewer_bytes() -> None:
+    fast = profile(bandwidth=1e9, storage_ms=0.1, compute_ms=3.0)
+    chosen = choose(candidates(fast, 32, 1000))
+    assert chosen.split == 4  # compute-bound: push every frozen stage down
+    planned = evaluate(fast, chosen.split, "float32", 32, 1000)
+    replanner = Replanner(fast, chosen, 32, 1000, ("float32",), every=4)
+    # The same 36 KB/sample batches now take 1 s each on the wire: about 1 MB/s.
+    slow = _batch(4, 32, 32 * 36_000, planned.storage_ms * 32, 1000.0 + planned.storage_ms * 32)
+    decisions = [replanner.observe(slow) for _ in range(4)]
+    assert decisions[:3] == [None] * 3
+    assert decisions[3] is not None and decisions[3].split == 3  # stage 2's 8 KB output
+    assert replanner.profile.bandwidth < 2e6
+
+
+def test_measurements_that_match_the_plan_change_nothing() -> None:
+    p = profile(bandwidth=1e6)
+    chosen = choose(candidates(p, 32, 1000))
+    planned = evaluate(p, chosen.split, "float32", 32, 1000)
+    batch = _batch(chosen.split, 32, int(planned.bytes_per_sample * 32), planned.storage_ms * 32,
+                   planned.storage_ms * 32 + planned.transfer_ms * 32)
+    assert all(Replanner(p, chosen, 32, 1000, ("float32",), every=2).observe(batch) is None for _ in range(6))
+
+
+class SplitSource:
+    def __init__(self, split: int) -> None:
+        self.split = split
+
+    def fetch(self, samples, epoch):
+        return Part(torch.zeros(len(samples), 1), self.split, 8 * len(samples), 1.0)
+
+
+def test_switching_source_mid_epoch_keeps_every_sample_once_and_batches_whole() -> None:
+    samples = [Sample(f"train/{i:03d}.jpg", 0, 10) for i in range(60)]
+    loader = PipelinedLoader(SplitSource(4), request_size=3, depth=5)
+    seen, splits = [], []
+    for i, batch in enumerate(loader.epoch(batches_of(samples, 8), epoch=0)):
+        seen += batch.keys
+        splits.append(batch.split)
+        if i == 2:
+            loader.source = SplitSource(7)
+    assert Counter(seen) == Counter(s.key for s in samples) and len(seen) == 60
+    assert splits[:3] == [4, 4, 4] and splits[-1] == 7
+    assert splits == sorted(splits)  # one switch, at a batch boundary: no batch mixes splits
