@@ -3,13 +3,13 @@
 from collections import Counter
 
 import torch
+from test_planner import profile
 
 from compute_side.loader import Batch, PipelinedLoader, batches_of
 from compute_side.replan import Replanner
 from compute_side.sources import Part
 from hapi.datasets import Sample
 from hapi.planner import candidates, choose, evaluate
-from test_planner import profile
 
 
 def _batch(split: int, n: int, wire_bytes: int, storage_ms: float, elapsed_ms: float) -> Batch:
