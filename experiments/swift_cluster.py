@@ -89,8 +89,11 @@ class SwiftCluster:
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def start(cls, base_dir: Path | str | None = None, timeout: float = 30.0) -> Self:
+    def start(cls, base_dir: Path | str | None = None, timeout: float = 30.0, proxy_host: str = _HOST) -> Self:
         """Start a cluster in a new directory under ``base_dir``.
+
+        The backends listen on loopback; the S3 proxy on ``proxy_host`` (another
+        interface, to serve a compute host across an emulated link).
 
         Returns once the proxy answers ``/healthcheck`` and an S3 round trip
         (create bucket, put, get, delete) succeeded; raises
@@ -99,10 +102,10 @@ class SwiftCluster:
         started = time.monotonic()
         root = Path(tempfile.mkdtemp(prefix="swift-", dir=base_dir))
         proxy_port, *backend_ports = _free_ports(1 + len(_BACKENDS))
-        cluster = cls(endpoint_url=f"http://{_HOST}:{proxy_port}", root=root)
+        cluster = cls(endpoint_url=f"http://{proxy_host}:{proxy_port}", root=root)
         try:
             ports = dict(zip(_BACKENDS, backend_ports, strict=True))
-            _write_config(root, proxy_port, ports)
+            _write_config(root, proxy_port, ports, proxy_host)
             for kind in _BACKENDS:
                 cluster._spawn(kind, _BACKEND_MODULES[kind])
             cluster._spawn("proxy", "swift.proxy.server")
@@ -260,7 +263,7 @@ def _s3_round_trip(s3: BaseClient) -> None:
 
 
 def _write_config(
-    root: Path, proxy_port: int, backend_ports: Mapping[str, int]
+    root: Path, proxy_port: int, backend_ports: Mapping[str, int], proxy_host: str
 ) -> None:
     etc, devices = root / "etc", root / "srv"
     for path in (etc, devices / _DEVICE, root / "log"):
@@ -281,7 +284,7 @@ def _write_config(
             _COMMON.format(port=port, **common) + _BACKEND_CONF.format(kind=kind)
         )
     (etc / "proxy-server.conf").write_text(
-        _COMMON.format(port=proxy_port, **common)
+        _COMMON.format(port=proxy_port, **{**common, "host": proxy_host})
         + _PROXY_CONF.format(
             pipeline=_PROXY_PIPELINE,
             user=ACCESS_KEY.replace(":", "_"),
@@ -405,3 +408,26 @@ use = egg:swift#slo
 [filter:dlo]
 use = egg:swift#dlo
 """
+
+
+def main() -> None:
+    """Run a cluster until SIGTERM; write its endpoint to ``--info`` once it is ready."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--proxy-host", default=_HOST)
+    parser.add_argument("--info", type=Path, required=True)
+    parser.add_argument("--base-dir", type=Path)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    with SwiftCluster.start(args.base_dir, proxy_host=args.proxy_host) as cluster:
+        args.info.write_text(json.dumps({"endpoint_url": cluster.endpoint_url, **cluster.env()}))
+        while not stop:
+            time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    main()
