@@ -32,10 +32,26 @@ def storage_tier_times(client: StorageClient, template: ExtractRequest, batch_si
                                          (batch_size,), job_id=template.job_id))
     forward = tuple(stage["ms"][str(batch_size)] / batch_size for stage in body["stages"])
     extracted = client.extract(replace(template, keys=tuple(s.key for s in samples), split=0))
-    decode = extracted.metadata["timings"]
-    decode_ms = (decode.get("decode_wait_ms", 0.0) + decode.get("forward_ms", 0.0)) / len(samples)
+    timings = extracted.metadata["timings"]
+    decode_ms = (timings.get("decode_wait_ms", 0.0) + timings.get("forward_ms", 0.0)) / len(samples)
+    fetch_ms = timings.get("fetch_ms", 0.0) / len(samples)
     host = f"storage node {client.url} ({body['cpu_count']} cpus, {body['torch_threads']} threads)"
-    return TierTimes(host, batch_size, body["torch_threads"], decode_ms, forward)
+    return TierTimes(host, batch_size, body["torch_threads"], decode_ms, forward, fetch_ms=fetch_ms,
+                     request_ms=request_overhead_ms(client, template, samples[0]))
+
+
+def request_overhead_ms(client: StorageClient, template: ExtractRequest, sample: Sample, rounds: int = 5) -> float:
+    """What a request costs beyond the node's work and its bytes: one tiny request, timed
+    end to end less the node's own work (median of ``rounds``)."""
+    request = replace(template, keys=(sample.key,), split=0,
+                      transform=replace(template.transform, crop_size=8, resize_size=8))
+    costs = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        extracted = client.extract(request)
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        costs.append(elapsed_ms - sum(extracted.metadata["timings"].get(name, 0.0) for name in _WORK_TIMINGS))
+    return sorted(costs)[len(costs) // 2]
 
 
 def measure_bandwidth(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],

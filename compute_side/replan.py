@@ -32,7 +32,8 @@ class _Window:
 
 class Replanner:
     def __init__(self, profile: Profile, chosen: Candidate, batch_size: int, samples: int,
-                 dtypes: tuple[str, ...], every: int = 8, min_gain: float = 0.15) -> None:
+                 dtypes: tuple[str, ...], every: int = 8, min_gain: float = 0.15,
+                 request_size: int | None = None) -> None:
         self.profile = profile
         self.chosen = chosen
         self.batch_size = batch_size
@@ -40,6 +41,7 @@ class Replanner:
         self.dtypes = dtypes
         self.every = every
         self.min_gain = min_gain
+        self.request_size = request_size
         self._window = _Window()
         self._batches = 0
 
@@ -64,21 +66,24 @@ class Replanner:
             return None
         return self._replan()
 
+    def _evaluate(self, profile: Profile, candidate: Candidate) -> Candidate:
+        return evaluate(profile, candidate.split, candidate.dtype, self.batch_size, self.samples,
+                        request_size=self.request_size)
+
     def _replan(self) -> Candidate | None:
         w, self._window = self._window, _Window()
         measured_bandwidth = max(w.best_rate, w.wire_bytes / (w.transfer_ms / 1e3))
         profile = replace(self.profile, bandwidth=measured_bandwidth)
         if self.chosen.split != ALL_IN_COMPUTE and self.chosen.storage_ms > 0:
             # Scale the node's stage times by how much slower (busier) it measured than planned.
-            scale = (w.storage_ms / w.samples) / evaluate(self.profile, self.chosen.split, self.chosen.dtype,
-                                                          self.batch_size, self.samples).storage_ms
+            scale = (w.storage_ms / w.samples) / self._evaluate(self.profile, self.chosen).storage_ms
             storage = self.profile.storage
             profile = replace(profile, storage=replace(
                 storage, decode_ms=storage.decode_ms * scale,
                 forward_ms=tuple(ms * scale for ms in storage.forward_ms)))
         self.profile = profile
-        current = evaluate(profile, self.chosen.split, self.chosen.dtype, self.batch_size, self.samples)
-        best = choose(candidates(profile, self.batch_size, self.samples, self.dtypes))
+        current = self._evaluate(profile, self.chosen)
+        best = choose(candidates(profile, self.batch_size, self.samples, self.dtypes, request_size=self.request_size))
         log.info("re-plan: bandwidth %.1f MB/s; current %s %.1f s/epoch, best %s %.1f s/epoch",
                  measured_bandwidth / 1e6, current.label, current.epoch_s, best.label, best.epoch_s)
         if (best.split, best.dtype) != (self.chosen.split, self.chosen.dtype) \

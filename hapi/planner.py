@@ -4,10 +4,11 @@ Storage compute, transfer and compute-side training work on different batches at
 same time, so in steady state an iteration costs its slowest stage, not their sum; the
 first batch pays for all three (fill) before the pipeline runs. Per sample:
 
-    storage(s)  = decode + forward of stages [0, s) on the storage tier
+    storage(s)  = fetch + decode + forward of stages [0, s) on the storage tier
     transfer(s) = bytes of stage s-1's output in the wire dtype / bandwidth
     compute(s)  = forward of frozen stages [s, freeze) + train step of [freeze, end)
-                  (all-in-compute: + decode here, and the raw objects cross the network)
+                  + a request's fixed cost / samples per request
+                  (all-in-compute: storage only serves the objects; decode runs here)
     epoch(s)    = N x max(storage, transfer, compute) + B x (sum - max)
 
 Splits whose compute-side memory for one batch exceeds the budget are dropped.
@@ -57,19 +58,22 @@ def _compute_memory(profile: Profile, split: int, batch_size: int) -> float:
 
 
 def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples: int,
-             compute_memory_budget: float = float("inf")) -> Candidate:
-    """Predicted cost of one candidate."""
+             compute_memory_budget: float = float("inf"), request_size: int | None = None) -> Candidate:
+    """Predicted cost of one candidate (requests of ``request_size`` samples, default the batch)."""
+    request_size = request_size or batch_size
     storage, compute = profile.storage, profile.compute
     frozen_here = sum(compute.forward_ms[max(split, 0): profile.freeze_index])
+    # The storage host serves the objects in every mode; a request's fixed cost is paid on
+    # the compute tier (client), spread over the samples of a request.
     if split == ALL_IN_COMPUTE:
         per_sample = profile.raw_bytes
-        storage_ms = 0.0  # the object store only serves GETs
+        storage_ms = storage.fetch_ms
         compute_ms = compute.decode_ms + frozen_here + compute.train_ms
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
-        storage_ms = storage.decode_ms + sum(storage.forward_ms[:split])
-        compute_ms = frozen_here + compute.train_ms
+        storage_ms = storage.fetch_ms + storage.decode_ms + sum(storage.forward_ms[:split])
+        compute_ms = frozen_here + compute.train_ms + storage.request_ms / request_size
     transfer_ms = per_sample / profile.bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
     epoch_ms = samples * max(stages) + min(batch_size, samples) * (sum(stages) - max(stages))
@@ -79,12 +83,12 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
 
 
 def candidates(profile: Profile, batch_size: int, samples: int, dtypes: tuple[str, ...] = ("float32",),
-               compute_memory_budget: float = float("inf")) -> list[Candidate]:
+               compute_memory_budget: float = float("inf"), request_size: int | None = None) -> list[Candidate]:
     """Every split up to the freeze index in every allowed wire dtype, and all-in-compute."""
-    out = [evaluate(profile, ALL_IN_COMPUTE, "float32", batch_size, samples, compute_memory_budget)]
+    out = [evaluate(profile, ALL_IN_COMPUTE, "float32", batch_size, samples, compute_memory_budget, request_size)]
     for split in range(profile.freeze_index + 1):
         for dtype in dtypes:
-            out.append(evaluate(profile, split, dtype, batch_size, samples, compute_memory_budget))
+            out.append(evaluate(profile, split, dtype, batch_size, samples, compute_memory_budget, request_size))
     return out
 
 

@@ -33,6 +33,8 @@ class TierTimes:
     decode_ms: float  # fetch excluded: JPEG decode + transform
     forward_ms: tuple[float, ...]  # per stage, eval mode, no gradients
     train_ms: float = 0.0  # forward + backward + step of the trainable stages (compute tier only)
+    fetch_ms: float = 0.0  # reading an object from the store on this host (storage tier only)
+    request_ms: float = 0.0  # fixed cost of one request to the storage tier, as the client sees it
 
 
 def host_name() -> str:

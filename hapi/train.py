@@ -185,7 +185,7 @@ def plan(args: argparse.Namespace, model: StagedModel, client: StorageClient, te
     """Profile both tiers (stage times cached per hardware) and choose the split."""
     profile = measure_profile(model, client, template, samples, min(args.batch_size, PROFILE_BATCH),
                               args.cache_dir / "profiles", refresh=args.refresh_profile)
-    options = candidates(profile, args.batch_size, len(samples), wire_dtypes(args))
+    options = candidates(profile, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
     return profile, options, choose(options)
 
 
@@ -245,7 +245,8 @@ def main(args: argparse.Namespace) -> int:
                 print(explain(profile, options, chosen))
             split, dtype = chosen.split, chosen.dtype
             if args.replan:
-                replanner = Replanner(profile, chosen, args.batch_size, len(train_samples), wire_dtypes(args))
+                replanner = Replanner(profile, chosen, args.batch_size, len(train_samples), wire_dtypes(args),
+                                      request_size=args.request_size)
         else:
             split, dtype = fixed_split, args.dtype
         sources = Sources(clients, open_store(store_url, args.endpoint_url), template, eval_transform)

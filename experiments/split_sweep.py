@@ -1,0 +1,150 @@
+"""Exhaustive split sweep on two emulated hosts: every candidate timed, against the planner.
+
+For each shaped bandwidth and model: profile both tiers, let the planner choose, then
+train a few steady-state iterations at every candidate (all-in-compute and every split up
+to the freeze index) and record the measured time per iteration. Reports the share of
+cases where the planner's choice is the best or within 5% of it, its prediction error per
+candidate, and the speed-up of the choice over all-in-compute. One row per candidate in
+``results/split_sweep/sweep.csv``; the report and plots are made from it.
+
+Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's patches stay
+16 px), batch 8, 2 warm-up + 4 timed iterations per candidate, bandwidths 5-100 Mbit/s.
+
+    sudo python -m experiments.split_sweep [--quick] [--models ...] [--bandwidths 5,25,100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from compute_side.client import StorageClient
+from compute_side.loader import PipelinedLoader, batches_of
+from compute_side.profiling import measure_profile
+from compute_side.sources import PushdownSource, RawObjectSource
+from compute_side.trainer import HeadTrainer, TrainConfig
+from experiments import twohosts
+from hapi.datasets import make_synthetic
+from hapi.models import build_model
+from hapi.planner import ALL_IN_COMPUTE, candidates, choose
+from hapi.store import S3Store
+from hapi.transforms import TransformSpec
+from hapi.wire import ExtractRequest
+
+RESULTS = Path(__file__).parent / "results" / "split_sweep"
+PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
+FIELDS = ("bandwidth_mbit", "model", "candidate", "split", "stage", "bytes_per_sample", "predicted_ms",
+          "measured_ms", "chosen", "bottleneck")
+
+
+def time_candidate(loader: PipelinedLoader, trainer: HeadTrainer, batches: list, warmup: int) -> float:
+    """Milliseconds per iteration in steady state (after ``warmup`` iterations)."""
+    started = 0.0
+    for i, batch in enumerate(loader.epoch(batches, epoch=0)):
+        if i == warmup:
+            started = time.perf_counter()
+        trainer.train_step(batch.features, batch.labels, batch.split)
+    return (time.perf_counter() - started) * 1e3 / (len(batches) - warmup)
+
+
+def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list, args: argparse.Namespace,
+                bandwidth: float, profiles_dir: Path) -> list[dict]:
+    model = build_model(name, input_size=args.image_size)
+    model.replace_head(10)
+    trainer = HeadTrainer(model, TrainConfig())
+    transform = TransformSpec(crop_size=args.image_size, resize_size=round(args.image_size * 256 / 224))
+    template = ExtractRequest(keys=(), model=name, split=0, transform=transform, job_id="sweep")
+    profile = measure_profile(model, client, template, samples, args.batch_size, profiles_dir)
+    options = candidates(profile, args.batch_size, len(samples))
+    chosen = choose(options)
+    batches = batches_of(samples, args.batch_size)
+    rows = []
+    for c in options:
+        source = (RawObjectSource(store, transform) if c.split == ALL_IN_COMPUTE else
+                  PushdownSource([client], ExtractRequest(**{**template.__dict__, "split": c.split})))
+        measured = time_candidate(PipelinedLoader(source, args.batch_size, depth=2), trainer, batches, args.warmup)
+        stage = "-" if c.split <= 0 else model.stage_names[c.split - 1]
+        rows.append({"bandwidth_mbit": bandwidth, "model": name, "candidate": c.label, "split": c.split,
+                     "stage": stage, "bytes_per_sample": round(c.bytes_per_sample),
+                     "predicted_ms": round(c.epoch_s * 1e3 / len(samples) * args.batch_size, 1),
+                     "measured_ms": round(measured, 1), "chosen": c == chosen, "bottleneck": c.bottleneck})
+        logging.info("%s %s Mbit/s %-20s predicted %7.1f measured %7.1f ms/iter", name, bandwidth, c.label,
+                     rows[-1]["predicted_ms"], measured)
+    return rows
+
+
+def summarise(rows: list[dict]) -> str:
+    cases = {}
+    for r in rows:
+        cases.setdefault((r["bandwidth_mbit"], r["model"]), []).append(r)
+    good, lines = 0, []
+    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
+    for (bw, model), case in sorted(cases.items()):
+        best = min(case, key=lambda r: r["measured_ms"])
+        chosen = next(r for r in case if r["chosen"])
+        baseline = next(r for r in case if r["split"] == ALL_IN_COMPUTE)
+        within = chosen["measured_ms"] <= best["measured_ms"] * 1.05
+        good += within
+        lines.append(f"{model:12s} {bw:6g} Mbit/s  chosen {chosen['candidate']:16s} {chosen['measured_ms']:8.1f} ms  "
+                     f"best {best['candidate']:16s} {best['measured_ms']:8.1f} ms  "
+                     f"{'ok' if within else 'MISS':4s}  speed-up vs all-in-compute "
+                     f"{baseline['measured_ms'] / chosen['measured_ms']:.2f}x")
+    lines.append(f"choice best or within 5% of best: {good}/{len(cases)} = {good / len(cases):.1%}; "
+                 f"median prediction error {sorted(errors)[len(errors) // 2]:.0%}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(PAPER_MODELS))
+    p.add_argument("--bandwidths", default="5,25,100", help="Mbit/s of the shaped link")
+    p.add_argument("--image-size", type=int, default=112)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="resnet18 and alexnet at 10 and 50 Mbit/s, 64 px")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    if args.quick:
+        args.models, args.bandwidths, args.image_size, args.iterations = "resnet18,alexnet", "10,50", 64, 3
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("urllib3").setLevel(logging.ERROR)
+    reason = twohosts.available()
+    if reason:
+        print(f"cannot emulate two hosts here: {reason}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # one core per host
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp, twohosts.TwoHosts() as hosts:
+        work = Path(tmp)
+        swift = hosts.start_swift(work)
+        os.environ.update(swift.env)
+        store = S3Store("sweep", "synthetic", endpoint_url=swift.endpoint_url)
+        store.ensure_bucket()
+        n = args.batch_size * (args.warmup + args.iterations)
+        samples = list(make_synthetic(store, -(-n // 10), 0).split("train")[:n])
+        node = hosts.start_daemon(store.url, swift, work / "daemon.log", extra_args=("--torch-threads", "1"))
+        client = StorageClient(node)
+        for bandwidth in [float(b) for b in args.bandwidths.split(",")]:
+            hosts.shape(bandwidth)
+            for name in args.models.split(","):
+                rows += sweep_model(name, client, store, samples, args, bandwidth, work / "profiles")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "sweep.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(summarise(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
