@@ -34,7 +34,7 @@ class Batch:
     features: torch.Tensor
     labels: torch.Tensor
     keys: tuple[str, ...]
-    split: int  # the stage whose input ``features`` are
+    split: int  # the stage whose input ``features`` are (ALL_IN_COMPUTE: raw objects, stage 0)
     wire_bytes: int  # bytes received for this batch
     raw_bytes: int  # bytes of the encoded images it covers
     requests: int

@@ -47,7 +47,7 @@ class Replanner:
 
     def observe(self, batch: Batch) -> Candidate | None:
         """Account one trained batch; a new candidate when the run should switch to it."""
-        if batch.split != max(self.chosen.split, 0):
+        if batch.split != self.chosen.split:
             return None  # cut before the last switch: it measures the old plan
         w = self._window
         n = len(batch.keys)

@@ -17,6 +17,7 @@ import torch
 
 from compute_side.client import StorageClient, StorageNodeError
 from hapi.datasets import Sample, read_samples
+from hapi.planner import ALL_IN_COMPUTE
 from hapi.store import ObjectStore
 from hapi.transforms import TransformSpec, preprocess
 from hapi.wire import ExtractRequest
@@ -29,7 +30,7 @@ class Part:
     """The inputs of stage ``split`` for one request's samples."""
 
     features: torch.Tensor
-    split: int  # the stage whose input these are
+    split: int  # the stage whose input these are; ALL_IN_COMPUTE: stage 0's, from raw objects
     wire_bytes: int  # bytes that crossed the storage-compute network
     elapsed_ms: float  # wall time of the request, as the compute tier saw it
     timings: dict[str, float] = field(default_factory=dict)  # where the source's time went, in ms
@@ -77,7 +78,7 @@ class RawObjectSource:
     decoding on the same threads (torchvision's decoders release the GIL).
     """
 
-    split = 0
+    split = ALL_IN_COMPUTE  # inputs of stage 0, from raw objects
 
     def __init__(self, store: ObjectStore, transform: TransformSpec, io_threads: int = 16) -> None:
         self.store = store
@@ -92,4 +93,4 @@ class RawObjectSource:
         inputs = list(self.pool.map(lambda kb: preprocess(kb[1], kb[0], self.transform, epoch), zip(keys, blobs)))
         elapsed_ms = (time.perf_counter() - started) * 1e3
         timings = {"fetch_ms": (fetched - started) * 1e3, "decode_ms": elapsed_ms - (fetched - started) * 1e3}
-        return Part(torch.stack(inputs), 0, sum(len(b) for b in blobs), elapsed_ms, timings)
+        return Part(torch.stack(inputs), ALL_IN_COMPUTE, sum(len(b) for b in blobs), elapsed_ms, timings)

@@ -49,7 +49,7 @@ class HeadTrainer:
     def _frozen_forward(self, features: torch.Tensor, split: int) -> torch.Tensor:
         with torch.no_grad():
             # Features may arrive in a narrower wire dtype; the model computes in float32.
-            return self.frozen[split:](features.float())
+            return self.frozen[max(split, 0):](features.float())  # all-in-compute (-1) starts at 0
 
     def train_step(self, features: torch.Tensor, labels: torch.Tensor, split: int) -> float:
         """One optimiser step on exactly this batch, cut at ``split``; returns its mean loss."""

@@ -125,7 +125,7 @@ def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tupl
             metrics.write({"epoch": epoch, "step": step, "samples": n, "split": batch.split, "loss": loss,
                            "wait_s": batch.wait_s, "compute_s": compute_s, "wire_bytes": batch.wire_bytes,
                            "raw_bytes": batch.raw_bytes, "requests": batch.requests,
-                           "elapsed_ms": batch.elapsed_ms, "source_ms": batch.timings})
+                           "elapsed_ms": batch.elapsed_ms, "source_ms": batch.timings, "keys": batch.keys})
             if replanner is not None and (better := replanner.observe(batch)) is not None:
                 switch(better)
             bar.update(n)
