@@ -22,7 +22,7 @@ _WORK_TIMINGS = ("fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
 
 
 def storage_tier_times(client: StorageClient, template: ExtractRequest, batch_size: int,
-                       samples: Sequence[Sample]) -> TierTimes:
+                       samples: Sequence[Sample], bandwidth: float) -> TierTimes:
     """The node's per-sample forward time per frozen stage (it times itself) and decode time.
 
     Decode is measured on real objects of the data set: a split-0 request does nothing
@@ -37,20 +37,21 @@ def storage_tier_times(client: StorageClient, template: ExtractRequest, batch_si
     fetch_ms = timings.get("fetch_ms", 0.0) / len(samples)
     host = f"storage node {client.url} ({body['cpu_count']} cpus, {body['torch_threads']} threads)"
     return TierTimes(host, batch_size, body["torch_threads"], decode_ms, forward, fetch_ms=fetch_ms,
-                     request_ms=request_overhead_ms(client, template, samples[0]))
+                     request_ms=request_overhead_ms(client, template, samples[0], bandwidth))
 
 
-def request_overhead_ms(client: StorageClient, template: ExtractRequest, sample: Sample, rounds: int = 5) -> float:
-    """What a request costs beyond the node's work and its bytes: one tiny request, timed
-    end to end less the node's own work (median of ``rounds``)."""
-    request = replace(template, keys=(sample.key,), split=0,
-                      transform=replace(template.transform, crop_size=8, resize_size=8))
+def request_overhead_ms(client: StorageClient, template: ExtractRequest, sample: Sample, bandwidth: float,
+                        rounds: int = 5) -> float:
+    """What a request costs beyond the node's work and its bytes: a one-sample request,
+    timed end to end, less the node's own work and its bytes' time on the link (median)."""
+    request = replace(template, keys=(sample.key,), split=0)
     costs = []
     for _ in range(rounds):
         started = time.perf_counter()
         extracted = client.extract(request)
         elapsed_ms = (time.perf_counter() - started) * 1e3
-        costs.append(elapsed_ms - sum(extracted.metadata["timings"].get(name, 0.0) for name in _WORK_TIMINGS))
+        work_ms = sum(extracted.metadata["timings"].get(name, 0.0) for name in _WORK_TIMINGS)
+        costs.append(max(elapsed_ms - work_ms - extracted.wire_bytes / bandwidth * 1e3, 0.0))
     return sorted(costs)[len(costs) // 2]
 
 
@@ -87,7 +88,7 @@ def measure_profile(model: StagedModel, client: StorageClient, template: Extract
         profile = Profile.from_json(saved.read_text())
         log.info("stage times from %s", saved)
         return replace(profile, raw_bytes=raw_bytes, bandwidth=bandwidth)
-    storage = storage_tier_times(client, template, batch_size, probe)
+    storage = storage_tier_times(client, template, batch_size, probe, bandwidth)
     compute = profile_tier(model, input_size, batch_size, model.spec.freeze_index, with_training=True)
     profile = Profile(model.spec.name, input_size, model.stage_names, model.spec.freeze_index,
                       output_elements(model, input_size), storage, compute, raw_bytes, bandwidth)

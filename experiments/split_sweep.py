@@ -41,7 +41,7 @@ from hapi.wire import ExtractRequest
 
 RESULTS = Path(__file__).parent / "results" / "split_sweep"
 PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
-FIELDS = ("bandwidth_mbit", "model", "candidate", "split", "stage", "bytes_per_sample", "predicted_ms",
+FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage", "bytes_per_sample", "predicted_ms",
           "measured_ms", "chosen", "bottleneck")
 
 
@@ -72,8 +72,9 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
                   PushdownSource([client], ExtractRequest(**{**template.__dict__, "split": c.split})))
         measured = time_candidate(PipelinedLoader(source, args.batch_size, depth=2), trainer, batches, args.warmup)
         stage = "-" if c.split <= 0 else model.stage_names[c.split - 1]
-        rows.append({"bandwidth_mbit": bandwidth, "model": name, "candidate": c.label, "split": c.split,
-                     "stage": stage, "bytes_per_sample": round(c.bytes_per_sample),
+        rows.append({"bandwidth_mbit": bandwidth, "model": name, "batch_size": args.batch_size,
+                     "candidate": c.label, "split": c.split, "stage": stage,
+                     "bytes_per_sample": round(c.bytes_per_sample),
                      "predicted_ms": round(c.epoch_s * 1e3 / len(samples) * args.batch_size, 1),
                      "measured_ms": round(measured, 1), "chosen": c == chosen, "bottleneck": c.bottleneck})
         logging.info("%s %s Mbit/s %-20s predicted %7.1f measured %7.1f ms/iter", name, bandwidth, c.label,
