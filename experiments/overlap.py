@@ -60,11 +60,18 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=10, help="per measurement, after 2 warm-up iterations")
     p.add_argument("--depths", default="0,1,2,4,8")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="64 px, 4 iterations, 1 round, depths 0 and 2")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
+    if args.quick:
+        args.image_size, args.iterations, args.rounds, args.depths = 64, 4, 1, "0,2"
     depths = [int(d) for d in args.depths.split(",")]
     warmup = 2
 
-    os.sched_setaffinity(0, {1})  # the compute host
+    # The compute host; the daemon gets core 0 (on a one-core machine both share it).
+    cores = sorted(os.sched_getaffinity(0))
+    storage_core, compute_core = cores[0], cores[-1]
+    os.sched_setaffinity(0, {compute_core})
     torch.set_num_threads(1)
     model = build_model(args.model, input_size=args.image_size)
     model.replace_head(10)
@@ -77,7 +84,7 @@ def main() -> None:
         samples = make_synthetic(FileStore(Path(tmp) / "data"), -(-n // 10), 0).split("train")[:n]
         batches = batches_of(samples, args.batch_size)
         with local_daemon(Path(tmp, "data").as_uri(), Path(tmp) / "daemon.log", ("--torch-threads", "1"),
-                          cpus={0}) as url:
+                          cpus={storage_core}) as url:
             source = PushdownSource([StorageClient(url)], template)
             source.fetch(samples[:2], epoch=0)  # load the prefix before timing anything
             cached = list(PipelinedLoader(source, args.request_size, depth=0).epoch(batches, epoch=0))
@@ -101,9 +108,9 @@ def main() -> None:
               "efficiency": round(slowest / t, 3) if name.startswith("depth") else "",
               "speedup_vs_depth0": round(median["depth 0"] / t, 2) if name.startswith("depth") else ""}
              for name, t in median.items()]
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     name = f"overlap-{args.model}-split{args.split}-request{args.request_size}.csv"
-    with open(RESULTS / name, "w", newline="") as f:
+    with open(args.out / name, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))
         writer.writeheader()
         writer.writerows(table)

@@ -114,8 +114,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="resnet18 and alexnet at 10 and 50 Mbit/s, 64 px")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
-    if args.quick:
-        args.models, args.bandwidths, args.image_size, args.iterations = "resnet18,alexnet", "10,50", 64, 3
+    if args.quick:  # explicit --models / --bandwidths / --iterations still win
+        defaults = p.parse_args([])
+        args.models = args.models if args.models != defaults.models else "resnet18,alexnet"
+        args.bandwidths = args.bandwidths if args.bandwidths != defaults.bandwidths else "10,50"
+        args.iterations = args.iterations if args.iterations != defaults.iterations else 3
+        args.image_size = 64
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("urllib3").setLevel(logging.ERROR)
     reason = twohosts.available()
