@@ -42,17 +42,28 @@ from hapi.wire import ExtractRequest
 RESULTS = Path(__file__).parent / "results" / "split_sweep"
 PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
 FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage", "bytes_per_sample", "predicted_ms",
-          "measured_ms", "chosen", "bottleneck")
+          "measured_ms", "stopped_early", "chosen", "bottleneck")
+# A candidate slower than this many times the best so far is stopped (a lower bound is kept).
+GIVE_UP_FACTOR = 3
 
 
-def time_candidate(loader: PipelinedLoader, trainer: HeadTrainer, batches: list, warmup: int) -> float:
-    """Milliseconds per iteration in steady state (after ``warmup`` iterations)."""
-    started = 0.0
+def time_candidate(loader: PipelinedLoader, trainer: HeadTrainer, batches: list, warmup: int,
+                   give_up_s: float) -> tuple[float, bool]:
+    """(milliseconds per iteration in steady state, after ``warmup`` iterations; stopped early).
+
+    A candidate still running after ``give_up_s`` cannot be the best one: it stops there,
+    and its time per iteration so far is kept as a lower bound.
+    """
+    first = time.perf_counter()
+    started = first
     for i, batch in enumerate(loader.epoch(batches, epoch=0)):
         trainer.train_step(batch.features, batch.labels, batch.split)
+        now = time.perf_counter()
         if i == warmup - 1:  # the clock covers waiting for and training each timed batch
-            started = time.perf_counter()
-    return (time.perf_counter() - started) * 1e3 / (len(batches) - warmup)
+            started = now
+        if now - first > give_up_s:
+            return (now - first) * 1e3 / (i + 1), True
+    return (time.perf_counter() - started) * 1e3 / (len(batches) - warmup), False
 
 
 def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list, args: argparse.Namespace,
@@ -67,18 +78,24 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     chosen = choose(options)
     batches = batches_of(samples, args.batch_size)
     rows = []
-    for c in options:
+    best_s = float("inf")
+    # Most promising first, so a slow candidate can be given up on early.
+    for c in sorted(options, key=lambda c: c.epoch_s):
         source = (RawObjectSource(store, transform) if c.split == ALL_IN_COMPUTE else
                   PushdownSource([client], ExtractRequest(**{**template.__dict__, "split": c.split})))
-        measured = time_candidate(PipelinedLoader(source, args.batch_size, depth=2), trainer, batches, args.warmup)
+        measured, stopped = time_candidate(PipelinedLoader(source, args.batch_size, depth=2), trainer, batches,
+                                           args.warmup, give_up_s=GIVE_UP_FACTOR * best_s)
+        if not stopped:
+            best_s = min(best_s, measured / 1e3 * len(batches))
         stage = "-" if c.split <= 0 else model.stage_names[c.split - 1]
         rows.append({"bandwidth_mbit": bandwidth, "model": name, "batch_size": args.batch_size,
                      "candidate": c.label, "split": c.split, "stage": stage,
                      "bytes_per_sample": round(c.bytes_per_sample),
                      "predicted_ms": round(c.epoch_s * 1e3 / len(samples) * args.batch_size, 1),
-                     "measured_ms": round(measured, 1), "chosen": c == chosen, "bottleneck": c.bottleneck})
-        logging.info("%s %s Mbit/s %-20s predicted %7.1f measured %7.1f ms/iter", name, bandwidth, c.label,
-                     rows[-1]["predicted_ms"], measured)
+                     "measured_ms": round(measured, 1), "stopped_early": stopped, "chosen": c == chosen,
+                     "bottleneck": c.bottleneck})
+        logging.info("%s %s Mbit/s %-20s predicted %7.1f measured %s%7.1f ms/iter", name, bandwidth, c.label,
+                     rows[-1]["predicted_ms"], ">" if stopped else " ", measured)
     return rows
 
 
@@ -87,7 +104,7 @@ def summarise(rows: list[dict]) -> str:
     for r in rows:
         cases.setdefault((r["bandwidth_mbit"], r["model"]), []).append(r)
     good, lines = 0, []
-    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows]
+    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows if not r["stopped_early"]]
     for (bw, model), case in sorted(cases.items()):
         best = min(case, key=lambda r: r["measured_ms"])
         chosen = next(r for r in case if r["chosen"])

@@ -63,6 +63,8 @@ class TwoHosts:
     _processes: list[subprocess.Popen] = field(default_factory=list)
 
     def __enter__(self) -> TwoHosts:
+        # A SIGTERM (a timeout, pkill) unwinds like Ctrl-C, so the hosts are still torn down.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         self._teardown_network()  # leftovers of a run that was killed
         try:
             _run("ip", "netns", "add", NAMESPACE)
