@@ -144,3 +144,54 @@ class Profile:
             body[tier] = TierTimes(**{**body[tier], "forward_ms": tuple(body[tier]["forward_ms"])})
         return cls(**{**body, "stage_names": tuple(body["stage_names"]),
                       "output_elements": tuple(body["output_elements"])})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hapi.profile --model M [--storage-node URL]``: measure and save a profile."""
+    import argparse
+    import logging
+    import sys
+
+    from compute_side import deployment
+    from compute_side.client import StorageNodeError
+    from compute_side.profiling import measure_profile
+    from hapi.models import build_model
+    from hapi.train import default_cache_dir
+    from hapi.wire import ExtractRequest
+
+    parser = argparse.ArgumentParser(prog="python -m hapi.profile", description=main.__doc__)
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--weights", default="random")
+    parser.add_argument("--image-size", type=int)
+    parser.add_argument("--batch-size", type=int, default=16, help="batch size the stages are timed at")
+    parser.add_argument("--profiles-dir", type=Path, help="default: CACHE/profiles")
+    deployment.add_arguments(parser, default_cache_dir())
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        model = build_model(args.model, args.weights, args.image_size)
+        size = args.image_size or model.spec.input_size
+        store_url, manifest = deployment.open_dataset(args)
+        template = ExtractRequest(keys=(), model=args.model, split=0, weights=model.weights_id,
+                                  transform=TransformSpec(crop_size=size, resize_size=round(size * 256 / 224)),
+                                  job_id="profile")
+        with deployment.storage_nodes(args, store_url) as clients:
+            profile = measure_profile(model, clients[0], template, manifest.split("train"), args.batch_size,
+                                      args.profiles_dir or args.cache_dir / "profiles", refresh=True)
+    except (StorageNodeError, ValueError, LookupError, RuntimeError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{profile.model} at {size} px; storage: {profile.storage.host}; compute: {profile.compute.host}")
+    print(f"link {profile.bandwidth * 8 / 1e6:.1f} Mbit/s; raw objects {profile.raw_bytes / 1e3:.1f} KB/sample; "
+          f"decode storage {profile.storage.decode_ms:.2f} / compute {profile.compute.decode_ms:.2f} ms/sample; "
+          f"object fetch {profile.storage.fetch_ms:.2f} ms/sample; request {profile.storage.request_ms:.1f} ms; "
+          f"training step {profile.compute.train_ms:.2f} ms/sample")
+    print(f"{'stage':4s} {'name':20s} {'output KB':>10s} {'storage ms':>11s} {'compute ms':>11s}   (per sample)")
+    for i in range(profile.freeze_index):
+        print(f"{i:4d} {profile.stage_names[i]:20s} {profile.output_elements[i] * 4 / 1e3:10.1f} "
+              f"{profile.storage.forward_ms[i]:11.3f} {profile.compute.forward_ms[i]:11.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
