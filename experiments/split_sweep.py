@@ -43,7 +43,8 @@ RESULTS = Path(__file__).parent / "results" / "split_sweep"
 PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
 FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage", "bytes_per_sample", "predicted_ms",
           "measured_ms", "stopped_early", "chosen", "bottleneck")
-# A candidate slower than this many times the best so far is stopped (a lower bound is kept).
+# A candidate slower than this many times the best so far is stopped, or not started when
+# its bytes alone would take that long on the link; a lower bound is kept either way.
 GIVE_UP_FACTOR = 3
 
 
@@ -81,10 +82,15 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     best_s = float("inf")
     # Most promising first, so a slow candidate can be given up on early.
     for c in sorted(options, key=lambda c: c.epoch_s):
-        source = (RawObjectSource(store, transform) if c.split == ALL_IN_COMPUTE else
-                  PushdownSource([client], ExtractRequest(**{**template.__dict__, "split": c.split})))
-        measured, stopped = time_candidate(PipelinedLoader(source, args.batch_size, depth=2), trainer, batches,
-                                           args.warmup, give_up_s=GIVE_UP_FACTOR * best_s)
+        # The link alone takes bytes / bandwidth: a physical lower bound, not the cost model.
+        link_bound_s = c.bytes_per_sample * len(samples) / profile.bandwidth
+        if link_bound_s > GIVE_UP_FACTOR * best_s:
+            measured, stopped = link_bound_s * 1e3 / len(batches), True
+        else:
+            source = (RawObjectSource(store, transform) if c.split == ALL_IN_COMPUTE else
+                      PushdownSource([client], ExtractRequest(**{**template.__dict__, "split": c.split})))
+            measured, stopped = time_candidate(PipelinedLoader(source, args.batch_size, depth=2), trainer, batches,
+                                               args.warmup, give_up_s=GIVE_UP_FACTOR * best_s)
         if not stopped:
             best_s = min(best_s, measured / 1e3 * len(batches))
         stage = "-" if c.split <= 0 else model.stage_names[c.split - 1]
