@@ -1,50 +1,109 @@
 """``python -m storage_side --store URL``: serve the storage daemon with a real WSGI server.
 
 gunicorn (one process, gthread workers: the prefix cache and memory budget are per
-process) where it runs; waitress, the portable fallback, elsewhere.
+process) where it runs; waitress, the portable fallback, elsewhere. Every option is a
+field of ``storage_side.config.DaemonConfig``, documented there.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 from pathlib import Path
 
 from flask import Flask
 
+from hapi.wire import TOKEN_ENV
 from storage_side.app import create_app
-from storage_side.config import DaemonConfig
+from storage_side.config import DaemonConfig, option_help, parse_size
+from storage_side.memory import return_freed_memory_promptly
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_args(argv: list[str] | None) -> DaemonConfig:
-    defaults = DaemonConfig(store_url="")
-    p = argparse.ArgumentParser(prog="python -m storage_side", description=__doc__.splitlines()[0])
-    p.add_argument("--store", required=True, help="s3://bucket/prefix or file:///path")
-    p.add_argument("--endpoint-url", help="S3 endpoint of this node's store; default $AWS_ENDPOINT_URL")
-    p.add_argument("--host", default=defaults.host)
-    p.add_argument("--port", type=int, default=defaults.port)
-    p.add_argument("--server", choices=("auto", "gunicorn", "waitress"), default=defaults.server)
-    p.add_argument("--server-threads", type=int, default=defaults.server_threads)
-    p.add_argument("--io-threads", type=int, default=defaults.io_threads)
-    p.add_argument("--torch-threads", type=int, default=defaults.torch_threads)
-    p.add_argument("--sub-batch", type=int, default=defaults.sub_batch)
-    p.add_argument("--max-keys-per-request", type=int, default=defaults.max_keys_per_request)
-    p.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes)
-    p.add_argument("--model-cache-size", type=int, default=defaults.model_cache_size)
-    p.add_argument("--weights-file", type=Path, action="append", default=[],
-                   help="a state_dict file requests may use (named by its sha256); repeatable")
-    a = p.parse_args(argv)
-    for path in a.weights_file:
+    d = DaemonConfig(store_url="")
+    p = argparse.ArgumentParser(prog="python -m storage_side", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    def add(flag: str, name: str, **kwargs: object) -> None:
+        p.add_argument(flag, dest=name, help=option_help(name), **kwargs)
+
+    add("--store", "store_url", required=True)
+    add("--endpoint-url", "endpoint_url")
+    add("--host", "host", default=d.host)
+    add("--port", "port", type=int, default=d.port)
+    add("--server", "server", choices=("auto", "gunicorn", "waitress"), default=d.server)
+    add("--server-threads", "server_threads", type=int, default=d.server_threads)
+    add("--io-threads", "io_threads", type=int, default=d.io_threads)
+    add("--torch-threads", "torch_threads", type=int, default=d.torch_threads)
+    add("--compute-dtype", "compute_dtype", choices=("float32", "bfloat16"), default=d.compute_dtype)
+    add("--memory-budget", "memory_budget", type=_size, default=d.memory_budget)
+    add("--memory-headroom", "memory_headroom", type=float, default=d.memory_headroom)
+    add("--max-sub-batch", "max_sub_batch", type=int, default=d.max_sub_batch)
+    add("--min-sub-batch", "min_sub_batch", type=int, default=d.min_sub_batch)
+    add("--adapt", "adapt", action=argparse.BooleanOptionalAction, default=d.adapt)
+    add("--max-running", "max_running", type=int, default=d.max_running)
+    add("--max-queue", "max_queue", type=int, default=d.max_queue)
+    add("--queue-timeout", "queue_timeout_s", type=float, default=d.queue_timeout_s)
+    add("--max-keys-per-request", "max_keys_per_request", type=int, default=d.max_keys_per_request)
+    add("--max-request-bytes", "max_request_bytes", type=_size, default=d.max_request_bytes)
+    add("--log-format", "log_format", choices=("text", "json"), default=d.log_format)
+    add("--weights-file", "weights_files", type=Path, action="append", default=[])
+    p.add_argument("--token-file", type=Path,
+                   help=f"a file holding the bearer token (else ${TOKEN_ENV}). " + option_help("token"))
+    a = vars(p.parse_args(argv))
+    for path in a["weights_files"]:
         if not path.is_file():
             p.error(f"--weights-file {path}: no such file")
-    return DaemonConfig(
-        store_url=a.store, endpoint_url=a.endpoint_url, host=a.host, port=a.port, server=a.server,
-        server_threads=a.server_threads, io_threads=a.io_threads, torch_threads=a.torch_threads,
-        sub_batch=a.sub_batch, max_keys_per_request=a.max_keys_per_request,
-        max_request_bytes=a.max_request_bytes, model_cache_size=a.model_cache_size,
-        weights_files=tuple(a.weights_file),
-    )
+    token_file = a.pop("token_file")
+    if token_file is not None:
+        try:
+            a["token"] = token_file.read_text().strip()
+        except OSError as exc:
+            p.error(f"--token-file {token_file}: {exc.strerror}")
+    else:
+        a["token"] = os.environ.get(TOKEN_ENV) or None
+    a["weights_files"] = tuple(a["weights_files"])
+    try:
+        return DaemonConfig(**a)
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; a record's ``extra={"fields": {...}}`` become its keys."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                "message": record.getMessage(), **getattr(record, "fields", {})}
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """Plain lines; a record's fields follow its message as key=value."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        fields = getattr(record, "fields", None)
+        return line + "".join(f" {k}={v}" for k, v in fields.items()) if fields else line
+
+
+def setup_logging(log_format: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else TextFormatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 
 def serve_gunicorn(app: Flask, config: DaemonConfig) -> None:
@@ -72,8 +131,11 @@ def serve_waitress(app: Flask, config: DaemonConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = parse_args(argv)
+    setup_logging(config.log_format)
+    # Only in the daemon's own process: it changes how the whole process allocates.
+    if not return_freed_memory_promptly():
+        logging.getLogger(__name__).warning("not glibc: resident memory may exceed what the budget counts")
     try:
         app = create_app(config)
     except ValueError as exc:

@@ -1,62 +1,168 @@
 """The storage daemon's Flask application, built by ``create_app(config)``.
 
 Every error is a JSON body ``{"error": code, "message": ..., ...}`` with an HTTP status,
-never an HTML page or a traceback; the daemon stays up after any bad request.
+never an HTML page or a traceback; the daemon stays up after any bad request, and under
+load it shrinks sub-batches, queues, or answers 503 with Retry-After: it does not run
+out of memory.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
+import time
 
 import torch
-from flask import Flask, Response, jsonify, request
+from flask import Flask, Response, g, jsonify, request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
 from hapi.models import MODELS
 from hapi.store import MissingObjectError, open_store
 from hapi.transforms import CorruptImageError
-from hapi.wire import FEATURES_CONTENT_TYPE, ExtractRequest, WireError
+from hapi.wire import FEATURES_CONTENT_TYPE, ExtractRequest, ProfileRequest, WireError
+from storage_side.admission import Admission
 from storage_side.config import DaemonConfig
-from storage_side.executor import Extractor, PrefixCache, RequestError
+from storage_side.errors import RequestError
+from storage_side.executor import Extractor, RequestStats
+from storage_side.memory import default_memory_budget, process_rss_bytes
+from storage_side.metrics import Metrics
+from storage_side.prefix_cache import PrefixCache
+from storage_side.profile import profile_stages
 
 log = logging.getLogger(__name__)
+
+# Liveness probes must work without the token; /healthz says nothing a client could misuse.
+UNAUTHENTICATED = ("/healthz",)
+STAGE_TIMINGS = ("load", "queue", "fetch", "decode_wait", "forward", "encode")
 
 
 def _error(status: int, code: str, message: str, **extra: object) -> tuple[Response, int]:
     return jsonify(error=code, message=message, **extra), status
 
 
+def _json_body() -> object:
+    body = request.get_json(silent=True)
+    if body is None:
+        raise WireError("body must be JSON (Content-Type: application/json)")
+    return body
+
+
+def memory_capacity(config: DaemonConfig) -> tuple[int, int, int]:
+    """(budget, baseline, capacity): what reservations may take is the budget less the
+    headroom and what the idle process already uses (interpreter, torch, server)."""
+    budget = config.memory_budget or default_memory_budget()
+    baseline = process_rss_bytes()
+    capacity = int(budget * (1 - config.memory_headroom)) - baseline
+    if config.adapt and capacity <= 0:
+        raise ValueError(f"memory budget {budget} bytes leaves nothing to reserve: the idle daemon already uses "
+                         f"{baseline} and {config.memory_headroom:.0%} is headroom (raise --memory-budget)")
+    return budget, baseline, capacity
+
+
 def create_app(config: DaemonConfig) -> Flask:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    compute_dtype = getattr(torch, config.compute_dtype)
     app = Flask("storage_side")
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
     store = open_store(config.store_url, config.endpoint_url)
-    extractor = Extractor(store, PrefixCache(config.model_cache_size, config.weights_files),
-                          config.io_threads, config.sub_batch)
+    budget, baseline, capacity = memory_capacity(config)
+    admission = (Admission(capacity, config.max_queue, config.queue_timeout_s, config.running_limit())
+                 if config.adapt else None)
+    cache = PrefixCache(admission, config.weights_files, compute_dtype)
+    extractor = Extractor(store, cache, admission, config.io_threads, config.min_sub_batch, config.max_sub_batch,
+                          compute_dtype)
+    metrics = Metrics(budget, admission, cache)
+    app.extensions["hapi"] = {"admission": admission, "cache": cache, "extractor": extractor, "metrics": metrics}
+    log.info("memory budget %.0f MB: %.0f MB idle process, %.0f MB for models and requests (%s)",
+             budget / 1e6, baseline / 1e6, capacity / 1e6, "adaptive" if admission else "NOT ADAPTIVE")
+
+    @app.before_request
+    def authenticate():
+        g.started = time.perf_counter()
+        if not config.token or request.path in UNAUTHENTICATED:
+            return None
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        # Constant-time comparison: response times must not reveal how much of a guess was right.
+        if scheme.lower() == "bearer" and hmac.compare_digest(presented.encode(), config.token.encode()):
+            return None
+        response, status = _error(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer "
+                                  "<token>; the client sends $HAPI_STORAGE_TOKEN)")
+        response.headers["WWW-Authenticate"] = 'Bearer realm="hapi-storage"'
+        return response, status
+
+    @app.after_request
+    def count(response: Response) -> Response:
+        endpoint = request.url_rule.rule if request.url_rule else "unmatched"
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        return response
 
     @app.get("/healthz")
     def healthz():
         return jsonify(status="ok", store=store.url)
 
+    @app.get("/metrics")
+    def prometheus():
+        return Response(generate_latest(metrics.registry), content_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     def models():
-        return jsonify(models=[
-            {"name": s.name, "freeze_index": s.freeze_index, "input_size": s.input_size} for s in MODELS.values()
-        ])
+        return jsonify(
+            models=[{"name": s.name, "freeze_index": s.freeze_index, "input_size": s.input_size}
+                    for s in MODELS.values()],
+            loaded=[entry.describe() for entry in cache.loaded()],
+        )
 
     @app.post("/v1/extract")
     def extract():
-        body = request.get_json(silent=True)
-        if body is None:
-            return _error(400, "bad_request", "body must be JSON (Content-Type: application/json)")
-        req = ExtractRequest.from_json(body)
+        req = ExtractRequest.from_json(_json_body())
         if len(req.keys) > config.max_keys_per_request:
+            metrics.refused.labels("too_many_keys").inc()
             return _error(413, "too_many_keys",
                           f"{len(req.keys)} keys in one request; this node takes at most "
                           f"{config.max_keys_per_request}", limit=config.max_keys_per_request)
-        blob = extractor.extract(req)
-        return Response(blob, content_type=FEATURES_CONTENT_TYPE)
+        stats = RequestStats()
+        blob, reservation = extractor.extract(req, stats)
+        response = Response(blob, content_type=FEATURES_CONTENT_TYPE)
+        if reservation is not None:
+            response.call_on_close(reservation.release)  # the blob's bytes are held until it is sent
+        metrics.bytes_out.inc(len(blob))
+        metrics.raw_bytes.inc(stats.raw_bytes)
+        metrics.samples.inc(len(req.keys))
+        metrics.sub_batch.observe(stats.sub_batch)
+        for stage in STAGE_TIMINGS:
+            if f"{stage}_ms" in stats.timings:
+                metrics.stage_seconds.labels(stage).observe(stats.timings[f"{stage}_ms"] / 1e3)
+        log.info("extract", extra={"fields": {
+            "job": req.job_id, "model": req.model, "split": req.split, "keys": len(req.keys),
+            "sub_batch": stats.sub_batch, "reserved_bytes": stats.reserved_bytes, "bytes_out": len(blob),
+            "ms": round((time.perf_counter() - g.started) * 1e3, 1), **stats.timings}})
+        return response
+
+    @app.post("/v1/profile")
+    def profile():
+        req = ProfileRequest.from_json(_json_body())
+        extractor.validate_model(req.model, req.input_size)
+        if max(req.batch_sizes) > config.max_keys_per_request:
+            return _error(413, "batch_too_large", f"batch size {max(req.batch_sizes)} over this node's limit of "
+                          f"{config.max_keys_per_request}", limit=config.max_keys_per_request)
+        with cache.lease(req.model, req.weights, req.input_size, req.job_id) as prefix:
+            need = prefix.memory.forward_bytes(len(prefix.stages), max(req.batch_sizes))
+            if admission is not None and need > admission.capacity:
+                raise RequestError(413, "exceeds_memory", f"batch {max(req.batch_sizes)} needs {need} bytes; this "
+                                   f"node reserves at most {admission.capacity}")
+            reservation = admission.admit(req.job_id, need, need) if admission is not None else None
+            try:
+                stages = profile_stages(prefix, req.batch_sizes, req.repeats, compute_dtype)
+            finally:
+                if reservation is not None:
+                    reservation.release()
+            return jsonify(model=req.model, weights=req.weights, input_size=req.input_size,
+                           batch_sizes=list(req.batch_sizes), compute_dtype=config.compute_dtype,
+                           torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
+                           memory=prefix.memory.to_json(), stages=stages)
 
     @app.errorhandler(WireError)
     def bad_request(exc: WireError):
@@ -64,7 +170,11 @@ def create_app(config: DaemonConfig) -> Flask:
 
     @app.errorhandler(RequestError)
     def request_error(exc: RequestError):
-        return _error(exc.status, exc.code, str(exc))
+        if exc.status in (413, 503):
+            metrics.refused.labels(exc.code).inc()
+        response, status = _error(exc.status, exc.code, str(exc), **exc.extra)
+        response.headers.update(exc.headers)
+        return response, status
 
     @app.errorhandler(MissingObjectError)
     def missing_object(exc: MissingObjectError):
@@ -77,7 +187,10 @@ def create_app(config: DaemonConfig) -> Flask:
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
         code = "request_too_large" if exc.code == 413 else exc.name.lower().replace(" ", "_")
-        return _error(exc.code or 500, code, exc.description or exc.name)
+        response, status = _error(exc.code or 500, code, exc.description or exc.name)
+        # Keep what the exception says about the resource (a 405's Allow), not its Content-Type.
+        response.headers.update({k: v for k, v in exc.get_headers() if k.lower() != "content-type"})
+        return response, status
 
     @app.errorhandler(Exception)
     def internal_error(exc: Exception):

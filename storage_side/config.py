@@ -1,24 +1,102 @@
-"""The storage daemon's options, documented in one place (`python -m storage_side --help`)."""
+"""The storage daemon's options, documented in one place (`python -m storage_side --help`).
+
+Each field carries its own help text; ``__main__`` builds the command line from these
+fields, so an option, its default and its documentation cannot drift apart.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
+
+import torch
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def _option(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002  (argparse's name)
+    return field(default=default, metadata={"help": help}, **kwargs)
 
 
 @dataclass(frozen=True)
 class DaemonConfig:
-    store_url: str  # s3://bucket/prefix or file:///path: the store this node serves
-    endpoint_url: str | None = None  # S3 endpoint on this node (Swift, MinIO, Ceph...)
-    host: str = "127.0.0.1"
-    port: int = 8470
-    server: str = "auto"  # gunicorn (gthread), waitress, or auto: gunicorn where it runs
-    server_threads: int = 4  # concurrent requests served
-    io_threads: int = 8  # concurrent object GETs and decodes per node
-    torch_threads: int = 0  # intra-op threads for the prefix; 0 leaves torch's default
-    sub_batch: int = 16  # samples per forward pass of the prefix
-    max_keys_per_request: int = 1024
-    max_request_bytes: int = 1 << 20
-    model_cache_size: int = 4  # prefixes kept loaded, least recently used evicted
-    # Operator-configured state_dict files; requests name them by their sha256 digest.
-    weights_files: tuple[Path, ...] = field(default_factory=tuple)
+    store_url: str = field(metadata={"help": "s3://bucket/prefix or file:///path: the store this node serves"})
+    endpoint_url: str | None = _option(None, "S3 endpoint of this node's store (Swift, MinIO, Ceph...); "
+                                             "default $AWS_ENDPOINT_URL")
+    host: str = _option("127.0.0.1", "address to listen on")
+    port: int = _option(8470, "port to listen on")
+    server: str = _option("auto", "gunicorn (one process, gthread), waitress, or auto: gunicorn where it runs")
+    server_threads: int = _option(
+        32, "HTTP threads. Requests waiting for memory wait in the daemon's own fair queue, not in the "
+            "server's accept queue, so keep this above the number of concurrent clients")
+    io_threads: int = _option(8, "concurrent object GETs and image decodes, shared by all requests")
+    torch_threads: int = _option(0, "intra-op threads for the prefix; 0 leaves torch's default (one per core)")
+    compute_dtype: str = _option(
+        "float32", "float32, or bfloat16: run the prefix under CPU autocast (faster on CPUs with bf16 "
+                   "units; features deviate by ~1e-2 relative to float32, see the README)")
+    memory_budget: int | None = _option(
+        None, "bytes (e.g. 6GiB, 800M) this daemon's process may use in all, models and requests "
+              "included; default: half of the machine's memory or of its cgroup's limit, whichever is lower")
+    memory_headroom: float = _option(
+        0.1, "fraction of the budget never reserved: allocator slack, HTTP buffers, decoder scratch")
+    max_sub_batch: int = _option(
+        16, "the largest sub-batch a request runs the prefix on; the daemon picks fewer when memory is short "
+            "(features do not depend on it: frozen layers run in eval mode)")
+    min_sub_batch: int = _option(
+        4, "a request waits for memory rather than run sub-batches smaller than this (a sub-batch of 1 "
+           "runs several times slower per sample), unless no more could ever fit; at most --max-sub-batch")
+    adapt: bool = _option(
+        True, "memory-aware admission and sub-batch adaptation; --no-adapt runs every request's whole batch "
+              "at once, unqueued (the reference system's behaviour; for comparison only: it can run out of memory)")
+    max_running: int = _option(
+        0, "requests running at once (holding memory, fetching, decoding, computing); the rest wait their "
+           "turn. 0: one more than the cores can keep busy (cores / torch threads), so one request decodes "
+           "while the others compute")
+    max_queue: int = _option(64, "requests waiting for memory, over all jobs; beyond it: 503 + Retry-After")
+    queue_timeout_s: float = _option(30.0, "seconds a request may wait for memory before 503 + Retry-After")
+    max_keys_per_request: int = _option(1024, "keys per extract request; beyond it: 413")
+    max_request_bytes: int = _option(1 << 20, "bytes of a request body; beyond it: 413")
+    token: str | None = field(default=None, repr=False, metadata={
+        "help": "shared bearer token; requests without it get 401. Read from $HAPI_STORAGE_TOKEN or "
+                "--token-file, never from the command line (it would show in ps)"})
+    log_format: str = _option("text", "text, or json: one JSON object per log line")
+    weights_files: tuple[Path, ...] = field(default_factory=tuple, metadata={
+        "help": "a state_dict file requests may use (named by its sha256); repeatable"})
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype {self.compute_dtype!r} not one of {COMPUTE_DTYPES}")
+        if not 0 <= self.memory_headroom < 1:
+            raise ValueError(f"memory_headroom {self.memory_headroom} must be in [0, 1)")
+        for name in ("max_sub_batch", "min_sub_batch", "io_threads", "server_threads", "max_keys_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0 or self.queue_timeout_s < 0 or self.max_running < 0:
+            raise ValueError("max_queue, max_running and queue_timeout_s must be >= 0")
+
+    def running_limit(self) -> int:
+        """``max_running``, or what the cores can keep busy when it is 0 (auto)."""
+        if self.max_running:
+            return self.max_running
+        threads = self.torch_threads or torch.get_num_threads()
+        return max(1, (os.cpu_count() or 1) // threads) + 1
+
+
+def option_help(name: str) -> str:
+    """The documentation of one DaemonConfig field."""
+    return next(f.metadata["help"] for f in fields(DaemonConfig) if f.name == name)
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"2GiB"``, ``"512M"``, ``"1.5g"`` or ``"1000000"``."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 2GiB, 512M, 1000000)")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])

@@ -1,135 +1,247 @@
-"""Runs one extract request: GET objects, decode, transform, run the prefix, encode."""
+"""Runs one extract request: admission, GET objects, decode, run the prefix in sub-batches, encode.
+
+The sub-batch is the daemon's own choice: frozen stages run in eval mode, so a sample's
+features do not depend on what it is batched with, and the daemon sizes sub-batches to
+the memory it was granted without changing anything the trainer sees. Inside a request,
+the next sub-batch is decoded on the I/O threads while the prefix runs on this one.
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 import torch
-from torch import nn
 
-from hapi.datasets import read_samples
-from hapi.models import RANDOM_WEIGHTS, build_model, file_weights_id, get_spec
+from hapi.datasets import SHARD_SEPARATOR, read_samples
+from hapi.models import ModelSpec, UnknownModelError, get_spec
 from hapi.store import ObjectStore
 from hapi.transforms import preprocess
 from hapi.wire import WIRE_DTYPES, ExtractRequest, encode_features
+from storage_side.admission import Admission, Reservation
+from storage_side.errors import RequestError
+from storage_side.memory import PrefixMemory, SampleSizes, Staging, autocast_context
+from storage_side.prefix_cache import LoadedPrefix, PrefixCache
 
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
-    """The request is well-formed JSON but asks for something this node cannot do."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-
-
 @dataclass(frozen=True)
-class Prefix:
-    """The frozen stages of one model, as loaded on this node."""
+class RequestCost:
+    """Bytes one request holds, by what it holds them for; linear in its sub-batch."""
 
-    stages: nn.Sequential
-    stage_names: tuple[str, ...]
+    memory: PrefixMemory
+    split: int
+    samples: int
+    wire_itemsize: int
+    staging: Staging
+    io_threads: int
+
+    def bytes(self, sub_batch: int) -> int:
+        out = self.memory.output_numel[self.split] * self.wire_itemsize
+        # Held for the whole request: every sample's encoded bytes (freed as decoded, but
+        # reserved throughout), its features, and their encoded copy for the response.
+        resident = self.samples * (self.staging.raw_per_sample + 2 * out)
+        # Held per sub-batch: the forward pass, the next sub-batch being decoded, and
+        # the full-size images being decoded for it on the I/O threads.
+        transient = (self.memory.forward_bytes(self.split, sub_batch) + sub_batch * self.memory.input_bytes
+                     + min(sub_batch, self.io_threads) * self.staging.decode_peak)
+        return resident + transient
+
+    def max_samples(self, nbytes: int) -> int:
+        """The most samples a request can have and still fit ``nbytes`` one sample at a time."""
+        one = RequestCost(self.memory, self.split, 1, self.wire_itemsize, self.staging, self.io_threads)
+        per_sample = one.bytes(1) - RequestCost(self.memory, self.split, 0, self.wire_itemsize,
+                                                self.staging, self.io_threads).bytes(1)
+        return max(0, (nbytes - one.bytes(1)) // max(per_sample, 1) + 1)
+
+    def largest_sub_batch(self, nbytes: int, limit: int) -> int:
+        """The largest sub-batch <= ``limit`` whose cost fits ``nbytes``; 0 when not even one does."""
+        low, high = 0, limit
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.bytes(mid) <= nbytes else (low, mid - 1)
+        return low
 
 
-class PrefixCache:
-    """Frozen prefixes loaded once and shared by every request and job, LRU-evicted."""
+@dataclass
+class RequestStats:
+    """What one request did, for the response metadata, the metrics and the log."""
 
-    def __init__(self, capacity: int, weights_files: tuple[Path, ...]) -> None:
-        self.capacity = capacity
-        self._entries: OrderedDict[tuple[str, str, int], Prefix] = OrderedDict()
-        self._lock = threading.Lock()
-        self._files = {file_weights_id(p): p for p in weights_files}
-
-    def _weights_source(self, model: str, weights_id: str) -> str:
-        if weights_id == RANDOM_WEIGHTS:
-            return RANDOM_WEIGHTS
-        if weights_id == f"torchvision:{get_spec(model).torchvision_weights}":
-            return "torchvision"
-        if weights_id in self._files:
-            return str(self._files[weights_id])
-        raise RequestError(409, "weights_unavailable",
-                           f"weights {weights_id!r} for {model} are not configured on this node "
-                           "(start it with --weights-file PATH)")
-
-    def get(self, model: str, weights_id: str, input_size: int) -> Prefix:
-        # Only a model whose shape depends on the input size needs one entry per size.
-        key = (model, weights_id, input_size if get_spec(model).input_size_fixed_at_build else 0)
-        with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return self._entries[key]
-            source = self._weights_source(model, weights_id)
-            # Loading under the lock: two requests for a new model must not both build it.
-            staged = build_model(model, source, input_size)
-            # Only frozen stages may run here; the rest (often the largest Linear) is dropped.
-            prefix = Prefix(staged.prefix(staged.spec.freeze_index), staged.stage_names)
-            self._entries[key] = prefix
-            while len(self._entries) > self.capacity:
-                evicted, _ = self._entries.popitem(last=False)
-                log.info("evicted prefix %s", evicted)
-            log.info("loaded prefix %s (%d frozen stages)", key, len(prefix.stages))
-            return prefix
+    sub_batch: int = 0
+    reserved_bytes: int = 0
+    raw_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class Extractor:
-    """Turns an ExtractRequest into an encoded features blob."""
+    """Turns an ExtractRequest into an encoded features blob, within its memory reservation."""
 
-    def __init__(self, store: ObjectStore, cache: PrefixCache, io_threads: int, sub_batch: int) -> None:
+    def __init__(self, store: ObjectStore, cache: PrefixCache, admission: Admission | None,
+                 io_threads: int, min_sub_batch: int, max_sub_batch: int,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
         self.store = store
         self.cache = cache
-        self.sub_batch = sub_batch
+        self.admission = admission
+        self.io_threads = io_threads
+        self.min_sub_batch = min_sub_batch
+        self.max_sub_batch = max_sub_batch
+        self.compute_dtype = compute_dtype
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="io")
+        # Before any request has been seen: a ~100 KB JPEG of ~500x400 px, like ImageNet's.
+        self.sample_sizes = SampleSizes(Staging(raw_per_sample=128 << 10, decode_peak=2 * 500 * 400 * 3))
 
     def validate(self, request: ExtractRequest) -> None:
-        try:
-            spec = get_spec(request.model)
-        except ValueError as exc:
-            raise RequestError(400, "unknown_model", str(exc)) from None
+        spec = self.validate_model(request.model, request.transform.crop_size)
         if not 0 <= request.split <= spec.freeze_index:
             raise RequestError(400, "bad_split",
                                f"split {request.split} out of range for {request.model}: 0..{spec.freeze_index} "
                                "(only frozen stages run on the storage tier)")
-        if spec.input_size_fixed_at_build and request.transform.crop_size % 16:
-            raise RequestError(400, "bad_input_size",
-                               f"{request.model} needs a crop_size that is a multiple of 16")
 
-    def extract(self, request: ExtractRequest) -> bytes:
+    @staticmethod
+    def validate_model(model: str, input_size: int) -> ModelSpec:
+        try:
+            spec = get_spec(model)
+        except UnknownModelError as exc:
+            raise RequestError(400, "unknown_model", str(exc)) from None
+        if spec.input_size_fixed_at_build and input_size % 16:
+            raise RequestError(400, "bad_input_size", f"{model} needs a crop_size that is a multiple of 16")
+        return spec
+
+    def extract(self, request: ExtractRequest, stats: RequestStats) -> tuple[bytes, Reservation | None]:
+        """The features blob, and the reservation still holding its bytes (release it once sent)."""
         self.validate(request)
-        timings: dict[str, float] = {}
+        timings = stats.timings
         started = time.perf_counter()
-        blobs = read_samples(self.store, request.keys, self.pool)
+        with self.cache.lease(request.model, request.weights, request.transform.crop_size,
+                              request.job_id) as prefix:
+            timings["load_ms"] = _ms_since(started)
+            cost = RequestCost(prefix.memory, request.split, len(request.keys), WIRE_DTYPES[request.dtype].itemsize,
+                               self.sample_sizes.estimate(), self.io_threads)
+            started = time.perf_counter()
+            reservation = self._admit(request, cost)
+            timings["queue_ms"] = _ms_since(started)
+            try:
+                blob = self._run(request, prefix, cost, reservation, stats)
+            except BaseException:
+                if reservation is not None:
+                    reservation.release()
+                raise
+        if reservation is not None:
+            # Until the response is sent, only the blob stays; the work is done, so the
+            # request's turn passes on now, whenever the reply finishes going out.
+            reservation.shrink(len(blob))
+            reservation.keep()
+        return blob, reservation
+
+    def _admit(self, request: ExtractRequest, cost: RequestCost) -> Reservation | None:
+        if self.admission is None:
+            return None
+        # The prefix's own weights stay loaded while it runs: the rest is all a request can ever get.
+        most = self.admission.capacity - cost.memory.weights_bytes
+        # Refused now only for what is known exactly (features, activations); the samples'
+        # own bytes are an estimate until fetched, and are checked then.
+        known = replace(cost, staging=Staging(0, 0))
+        if known.bytes(1) > most:
+            fits = cost.max_samples(most)  # with the samples' estimated bytes: a hint that should fit
+            raise RequestError(413, "exceeds_memory",
+                               f"{cost.samples} samples of {request.model} at split {request.split} need more "
+                               f"than {known.bytes(1)} bytes even run one at a time; this node has at most {most} "
+                               f"for a request: send at most {fits} keys per request", max_keys=fits)
+        need = cost.bytes(min(self.min_sub_batch, self.max_sub_batch, cost.samples))
+        if need > most:
+            need = cost.bytes(1)  # the floor can never fit: smaller sub-batches beat a refusal
+        need = min(need, most)
+        want = max(need, cost.bytes(min(self.max_sub_batch, cost.samples)))
+        return self.admission.admit(request.job_id, need, want)
+
+    def _run(self, request: ExtractRequest, prefix: LoadedPrefix, cost: RequestCost, reservation: Reservation | None,
+             stats: RequestStats) -> bytes:
+        timings = stats.timings
+        started = time.perf_counter()
+        blobs: list[bytes | None] = list(read_samples(self.store, request.keys, self.pool))
         timings["fetch_ms"] = _ms_since(started)
+        stats.raw_bytes = sum(len(b) for b in blobs)
+        sharded = any(SHARD_SEPARATOR in k for k in request.keys)
+        cost = replace(cost, staging=SampleSizes.measure(blobs, sharded))
+        sub_batch = self._choose_sub_batch(cost, reservation)
+        self.sample_sizes.record(cost.staging)
+        stats.sub_batch = sub_batch
+        stats.reserved_bytes = reservation.bytes if reservation else 0
 
-        started = time.perf_counter()
-        inputs = torch.stack(list(self.pool.map(
-            lambda kb: preprocess(kb[1], kb[0], request.transform, request.epoch),
-            zip(request.keys, blobs))))
-        timings["decode_ms"] = _ms_since(started)
-
-        started = time.perf_counter()
-        prefix = self.cache.get(request.model, request.weights, request.transform.crop_size)
-        timings["load_ms"] = _ms_since(started)
-
-        started = time.perf_counter()
+        n = len(request.keys)
         stages = prefix.stages[: request.split]
-        with torch.inference_mode():
-            outputs = [stages(chunk) for chunk in inputs.split(self.sub_batch)]
-        features = torch.cat(outputs).to(WIRE_DTYPES[request.dtype])
-        timings["forward_ms"] = _ms_since(started)
+        features: torch.Tensor | None = None
 
+        def decode(i: int) -> torch.Tensor:
+            blob, blobs[i] = blobs[i], None  # the encoded bytes are not needed once decoded
+            return preprocess(blob, request.keys[i], request.transform, request.epoch)
+
+        def submit(start: int) -> list[Future[torch.Tensor]]:
+            return [self.pool.submit(decode, i) for i in range(start, min(start + sub_batch, n))]
+
+        decode_wait = forward_s = 0.0
+        pending = submit(0)
+        for start in range(0, n, sub_batch):
+            waited = time.perf_counter()
+            inputs = torch.stack(_results(pending))
+            decode_wait += time.perf_counter() - waited
+            pending = submit(start + sub_batch) if start + sub_batch < n else []
+            ran = time.perf_counter()
+            with torch.inference_mode(), autocast_context(self.compute_dtype):
+                out = stages(inputs)
+            del inputs
+            if features is None:
+                features = torch.empty((n, *out.shape[1:]), dtype=WIRE_DTYPES[request.dtype])
+            features[start: start + len(out)] = out
+            del out
+            forward_s += time.perf_counter() - ran
+        timings["decode_wait_ms"] = round(decode_wait * 1e3, 3)
+        timings["forward_ms"] = round(forward_s * 1e3, 3)
+
+        started = time.perf_counter()
         stage_name = prefix.stage_names[request.split - 1] if request.split else "input"
         metadata = {"split": request.split, "stage": stage_name, "timings": timings,
-                    "raw_bytes": sum(len(b) for b in blobs)}
-        return encode_features(features, request.keys, metadata)
+                    "raw_bytes": stats.raw_bytes, "sub_batch": sub_batch}
+        blob = encode_features(features, request.keys, metadata)
+        timings["encode_ms"] = _ms_since(started)
+        return blob
+
+    def _choose_sub_batch(self, cost: RequestCost, reservation: Reservation | None) -> int:
+        """The largest sub-batch the reservation holds, now that the samples' real sizes are known."""
+        limit = min(self.max_sub_batch, cost.samples)
+        if reservation is None:
+            return cost.samples  # no adaptation: the whole request at once, as the reference did
+        fitting = cost.largest_sub_batch(reservation.bytes, limit)
+        most = self.admission.capacity - cost.memory.weights_bytes
+        if fitting == 0 and cost.bytes(1) > most:  # e.g. an image whose header promises gigapixels
+            raise RequestError(413, "exceeds_memory",
+                               f"these samples need {cost.bytes(1)} bytes even one at a time (the largest "
+                               f"decodes to {cost.staging.decode_peak // 2} bytes); this node has at most {most}")
+        if fitting == 0:
+            # The samples are larger than estimated: take the difference if it is free now;
+            # otherwise run one at a time over the reservation by the estimate's error, which
+            # the headroom absorbs (waiting here, holding memory, could deadlock).
+            if not reservation.try_grow(cost.bytes(1)):
+                log.warning("request over its reservation by %d bytes (samples larger than estimated)",
+                            cost.bytes(1) - reservation.bytes)
+            return 1
+        reservation.shrink(cost.bytes(fitting))  # what it will not use, others may
+        return fitting
+
+
+def _results(futures: list[Future[torch.Tensor]]) -> list[torch.Tensor]:
+    """Every result, in order; on an error, the first one raised, and the rest cancelled."""
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
 
 
 def _ms_since(started: float) -> float:
     return round((time.perf_counter() - started) * 1e3, 3)
+

@@ -19,7 +19,7 @@ def test_train_through_a_daemon_over_swift(swift_s3, tmp_path, capsys, shard_siz
 
     with local_daemon(store, tmp_path / "daemon.log", tuple(endpoint)) as node:
         assert cli(["--model", "resnet18", "--image-size", "64", "--batch-size", "8", "--store", store, *endpoint,
-                    "--storage-node", node, "--cache-dir", str(tmp_path)]) == 0
+                    "--storage-node", node, "--cache-dir", str(tmp_path), "--split", "freeze"]) == 0
     out = capsys.readouterr().out
     assert "trained 30 samples" in out and "accuracy" in out
     ratio = float(re.search(r"([\d.]+)x less", out).group(1))

@@ -62,7 +62,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
 @pytest.fixture(scope="module")
 def client(data: Data) -> FlaskClient:
     config = DaemonConfig(store_url=data.store.url, max_keys_per_request=MAX_KEYS, max_request_bytes=MAX_BYTES,
-                          io_threads=2, sub_batch=2)
+                          io_threads=2, max_sub_batch=2)
     return create_app(config).test_client()
 
 
@@ -184,7 +184,7 @@ def test_synthetic_shard_members_are_the_plain_images(client, data, resnet18) ->
 
 def test_features_do_not_depend_on_the_sub_batch(data, client) -> None:
     keys = data.val_keys(4)
-    one_by_one = create_app(DaemonConfig(store_url=data.store.url, sub_batch=1)).test_client()
+    one_by_one = create_app(DaemonConfig(store_url=data.store.url, max_sub_batch=1)).test_client()
     a = decode_features(_extract(client, keys, FREEZE).data)[0]
     b = decode_features(_extract(one_by_one, keys, FREEZE).data)[0]
     torch.testing.assert_close(a, b)
@@ -322,6 +322,12 @@ def test_routing_errors_are_json(client, data, method, path, status, code) -> No
     _assert_still_serving(client, data)
 
 
+def test_405_names_the_allowed_methods(client) -> None:
+    response = client.get("/v1/extract")
+    assert response.status_code == 405
+    assert "POST" in response.headers.get("Allow", "")
+
+
 # --- known bugs: strict xfail, so each turns into a failure once fixed (drop the marker then) ----
 
 
@@ -373,14 +379,6 @@ def test_16_bit_png_is_scaled_like_8_bit(client, odd_objects) -> None:
     sixteen = decode_features(_extract(client, ["odd/grey16.png"], 0).data)[0]
     eight = decode_features(_extract(client, ["odd/grey8.png"], 0).data)[0]
     torch.testing.assert_close(sixteen, eight, rtol=0, atol=0.05)
-
-
-@_bug("the HTTPException handler in storage_side/app.py drops exc.get_headers(): a 405 has no Allow header "
-      "(RFC 9110 requires it)")
-def test_405_names_the_allowed_methods(client) -> None:
-    response = client.get("/v1/extract")
-    assert response.status_code == 405
-    assert "POST" in response.headers.get("Allow", "")
 
 
 def test_missing_shard_object_names_a_requested_key(client, data) -> None:

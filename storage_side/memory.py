@@ -1,0 +1,270 @@
+"""Memory on this node: what the process uses, what it may use, and what a prefix costs.
+
+The cost of a request is predicted by a model measured on this node, not hard-coded:
+when a prefix is first loaded, it runs at two batch sizes under torch's allocator
+profiler, and the peak bytes live during each stage give, per stage, a fixed part and a
+part per sample; a split's peak is the largest of its stages'. Linear fits hold because
+frozen layers run in eval mode: a sample's activations do not depend on the others in
+its batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import logging
+import os
+import resource
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+log = logging.getLogger(__name__)
+
+# Batch sizes the memory model is measured at: two points fit a line, and 2 (not 1) keeps
+# batch-1 special cases of the convolution kernels out of the fit.
+CALIBRATION_BATCHES = (2, 8)
+# A marker allocation of this size tells which profiler thread id is ours (the profiler
+# also sees other requests' threads, which must not count).
+_MARKER_BYTES = 123_457
+_PROFILER_LOCK = threading.Lock()  # torch's profiler runs one session at a time
+
+
+# --- the process ------------------------------------------------------------------
+
+
+def _status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {field_name}")
+
+
+def process_rss_bytes() -> int:
+    """Resident memory of this process now."""
+    try:
+        return _status_kib("VmRSS") * 1024
+    except OSError:  # not Linux: the peak is the best we have
+        return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """The most resident memory this process has had."""
+    try:
+        return _status_kib("VmHWM") * 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _cgroup_limit_bytes() -> int | None:
+    """The memory limit of this process's cgroup (v2 or v1), if it has one."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    candidates = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            candidates += [Path("/sys/fs/cgroup", path.lstrip("/"), "memory.max"), Path("/sys/fs/cgroup/memory.max")]
+        elif "memory" in controllers.split(","):  # v1
+            root = Path("/sys/fs/cgroup/memory")
+            candidates += [root / path.lstrip("/") / "memory.limit_in_bytes", root / "memory.limit_in_bytes"]
+    for candidate in candidates:
+        try:
+            text = candidate.read_text().strip()
+        except OSError:
+            continue
+        # v1 spells "no limit" as a huge number, v2 as "max".
+        return None if text == "max" or int(text) >= 1 << 60 else int(text)
+    return None
+
+
+def return_freed_memory_promptly(threshold: int = 1 << 20) -> bool:
+    """Make glibc serve allocations from ``threshold`` bytes up with their own mappings.
+
+    glibc raises its mmap threshold (up to 32 MB) each time a large block is freed, after
+    which tensors of that size come from heap arenas that keep freed memory, one arena per
+    thread: resident memory then drifts far above what is live, and the budget, which
+    counts what is live, stops describing the process. A fixed threshold returns every
+    large tensor's pages on free. False where this is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_mmap_threshold = -3  # from glibc's malloc.h
+        return bool(libc.mallopt(m_mmap_threshold, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+def machine_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_memory_budget() -> int:
+    """Half of the machine's or the cgroup's memory: the object store and the OS need the rest."""
+    limits = [machine_memory_bytes()]
+    cgroup = _cgroup_limit_bytes()
+    if cgroup:
+        limits.append(cgroup)
+    return min(limits) // 2
+
+
+# --- what one prefix costs ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixMemory:
+    """Measured memory of one frozen prefix, for every split it allows.
+
+    Stage ``i`` of stages ``[0, s)`` peaks at ``stage_fixed[i] + batch * stage_per_sample[i]``
+    bytes live (its input included); a split's peak is the largest of its stages'. A line
+    per stage, not one per split, because a max of lines is not a line: a stage with a large
+    fixed workspace dominates small batches, one with large activations large batches.
+    """
+
+    weights_bytes: int  # parameters and buffers of the frozen stages, kept while loaded
+    input_bytes: int  # one decoded, transformed sample (float32)
+    stage_fixed: tuple[int, ...]
+    stage_per_sample: tuple[int, ...]
+    output_numel: tuple[int, ...]  # index s: elements of one sample's features at split s
+
+    def forward_bytes(self, split: int, batch: int) -> int:
+        """Peak bytes of running stages [0, split) on ``batch`` samples, input included."""
+        peaks = (fixed + batch * per for fixed, per in zip(self.stage_fixed[:split], self.stage_per_sample[:split]))
+        return max(peaks, default=batch * self.input_bytes)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def model_bytes(module: nn.Module) -> int:
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def peak_live_bytes(run: Callable[[], object]) -> int:
+    """Peak bytes allocated (and not yet freed) by this thread while ``run()`` runs."""
+    with _PROFILER_LOCK, profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        marker = torch.empty(_MARKER_BYTES, dtype=torch.uint8)
+        del marker
+        run()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    ours = next(e.start_thread_id() for e in events if e.nbytes() == _MARKER_BYTES)
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        if event.start_thread_id() == ours and abs(event.nbytes()) != _MARKER_BYTES:
+            live += event.nbytes()
+            peak = max(peak, live)
+    return peak
+
+
+def autocast_context(compute_dtype: torch.dtype):
+    """CPU autocast for reduced-precision compute; nothing for float32."""
+    if compute_dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast("cpu", dtype=compute_dtype)
+
+
+def calibrate(stages: nn.Sequential, input_size: int, compute_dtype: torch.dtype) -> PrefixMemory:
+    """Measure each stage at two batch sizes and fit peak bytes = fixed + per_sample * batch.
+
+    Each stage is profiled on its own with what a forward pass holds alive around it: its
+    input, and the batch's input, which the caller holds until the pass returns. The fit
+    errs high: the line is at or above the measured peak at both batch sizes.
+    """
+    input_bytes = 3 * input_size * input_size * torch.float32.itemsize
+    peaks: list[list[int]] = []
+    numel = [3 * input_size * input_size]
+    for batch in CALIBRATION_BATCHES:
+        x = inputs = torch.randn(batch, 3, input_size, input_size)
+        stage_peaks = []
+        with torch.inference_mode(), autocast_context(compute_dtype):
+            for stage in stages:
+                held = x.numel() * x.element_size() + (batch * input_bytes if x is not inputs else 0)
+                result: list[torch.Tensor] = []
+                stage_peaks.append(held + peak_live_bytes(
+                    lambda stage=stage, x=x, result=result: result.append(stage(x))))
+                x = result[0]
+                if batch == CALIBRATION_BATCHES[0]:
+                    numel.append(x[0].numel())
+        peaks.append(stage_peaks)
+    (b1, b2), fixed, per_sample = CALIBRATION_BATCHES, [], []
+    for p1, p2 in zip(*peaks, strict=True):
+        slope = max(0, -(-(p2 - p1) // (b2 - b1)))
+        intercept = max(0, p1 - slope * b1)
+        if intercept == 0:  # a line through the origin must still cover the first point
+            slope = max(slope, -(-p1 // b1))
+        fixed.append(intercept)
+        per_sample.append(slope)
+    return PrefixMemory(model_bytes(stages), input_bytes, tuple(fixed), tuple(per_sample), tuple(numel))
+
+
+# --- what the samples of a request cost before they reach the prefix --------------
+
+
+def decoded_bytes(blob: bytes) -> int:
+    """Bytes of ``blob`` decoded to 8-bit RGB, read from its header (no decoding).
+
+    0 where the header does not parse: decoding will then fail and report the key.
+    """
+    try:
+        with Image.open(io.BytesIO(blob)) as image:
+            width, height = image.size
+    except Image.DecompressionBombError:
+        # PIL will not even open it; it is at least this large, which is what matters here.
+        return 2 * Image.MAX_IMAGE_PIXELS * 3
+    except Exception:  # noqa: BLE001  any unreadable header: preprocess reports it by key
+        return 0
+    return width * height * 3
+
+
+@dataclass(frozen=True)
+class Staging:
+    """Bytes per sample between the store and the prefix."""
+
+    raw_per_sample: int  # encoded bytes held from GET until decoded
+    decode_peak: int  # the largest decode in flight: the decoded image and its resized copy
+
+
+class SampleSizes:
+    """What recent requests' samples weighed: the estimate a new request is admitted with.
+
+    The largest of the last ``window`` observations, so an estimate errs high; ``first_guess``
+    until there is one. A request corrects its reservation with its own sizes once its
+    objects are fetched, so a wrong estimate costs concurrency, not memory.
+    """
+
+    def __init__(self, first_guess: Staging, window: int = 32) -> None:
+        self._first_guess = first_guess
+        self._seen: deque[Staging] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def estimate(self) -> Staging:
+        with self._lock:
+            if not self._seen:
+                return self._first_guess
+            return Staging(max(s.raw_per_sample for s in self._seen), max(s.decode_peak for s in self._seen))
+
+    @staticmethod
+    def measure(blobs: Iterable[bytes], sharded: bool) -> Staging:
+        """What these samples weigh, from their bytes and image headers."""
+        blobs = list(blobs)
+        raw = -(-sum(len(b) for b in blobs) // max(len(blobs), 1))
+        # A shard is held whole while its members are cut out of it: twice the bytes.
+        return Staging(raw * (2 if sharded else 1), 2 * max((decoded_bytes(b) for b in blobs), default=0))
+
+    def record(self, staging: Staging) -> None:
+        """Count a served request's samples (not a refused one's: one bad image must not
+        inflate every estimate after it)."""
+        with self._lock:
+            self._seen.append(staging)

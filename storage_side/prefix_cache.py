@@ -1,0 +1,203 @@
+"""Frozen prefixes, loaded once and shared by every request and job, evicted LRU within the budget.
+
+A prefix's weights hold a reservation for as long as it stays loaded; when a request or
+a load cannot fit, the admission controller asks the cache to evict idle prefixes, least
+recently used first. A prefix in use is never evicted (its memory would not come back).
+Loading a prefix measures its memory model (``storage_side.memory.calibrate``).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hapi.models import RANDOM_WEIGHTS, build_model, file_weights_id, get_spec
+from storage_side.admission import Admission, Reservation
+from storage_side.errors import RequestError
+from storage_side.memory import CALIBRATION_BATCHES, PrefixMemory, calibrate, model_bytes
+
+log = logging.getLogger(__name__)
+
+PrefixKey = tuple[str, str, int]  # model, weights id, input size
+
+
+@dataclass
+class LoadedPrefix:
+    """The frozen stages of one model as loaded on this node, and what they cost."""
+
+    key: PrefixKey
+    stages: nn.Sequential
+    stage_names: tuple[str, ...]
+    memory: PrefixMemory
+    reservation: Reservation | None  # the weights' bytes; None when memory is not accounted
+    load_s: float
+    users: int = 0
+    last_used: float = 0.0
+
+    def describe(self) -> dict:
+        model, weights, input_size = self.key
+        return {"model": model, "weights": weights, "input_size": input_size, "in_use": self.users,
+                "load_s": round(self.load_s, 3), "memory": self.memory.to_json()}
+
+
+def load_bytes_bound(model: str, input_size: int, from_file: bool) -> int:
+    """A bound on the bytes loading and calibrating a prefix takes, from shapes alone.
+
+    The model is built on the meta device (no memory): the whole model exists while it is
+    built (twice when a state_dict file is read), and calibration runs each frozen stage
+    on the larger calibration batch with, at worst, every layer's output of a stage alive.
+    Both are counted together though they do not coexist: the slack covers kernel
+    workspaces, which shapes do not show.
+    """
+    spec = get_spec(model)
+    batch = CALIBRATION_BATCHES[-1]
+    with torch.device("meta"):
+        full = spec.builder(weights=None, **spec.build_kwargs(input_size))
+        x = torch.empty(batch, 3, input_size, input_size)
+        input_bytes, worst = x.nbytes, 0
+        for _, stage in spec.to_stages(full)[: spec.freeze_index]:
+            outputs: list[int] = []
+            leaves = [m for m in stage.modules() if not any(m.children())]
+            hooks = [m.register_forward_hook(
+                lambda _m, _i, out, outputs=outputs: outputs.append(out.nbytes if isinstance(out, torch.Tensor) else 0))
+                for m in leaves]
+            held = x.nbytes
+            x = stage(x)
+            for hook in hooks:
+                hook.remove()
+            worst = max(worst, input_bytes + held + sum(outputs) + x.nbytes)
+    return model_bytes(full) * (2 if from_file else 1) + worst
+
+
+class PrefixCache:
+    def __init__(self, admission: Admission | None, weights_files: tuple[Path, ...],
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+        self.admission = admission
+        self.compute_dtype = compute_dtype
+        self._files = {file_weights_id(p): p for p in weights_files}
+        self._entries: OrderedDict[PrefixKey, LoadedPrefix] = OrderedDict()
+        self._lock = threading.Lock()
+        self._load_lock = threading.Lock()  # one load at a time: two requests must not both build a model
+        self.evictions = 0
+        if admission is not None:
+            admission.reclaim = self.evict_idle
+
+    def _weights_source(self, model: str, weights_id: str) -> str:
+        if weights_id == RANDOM_WEIGHTS:
+            return RANDOM_WEIGHTS
+        if weights_id == f"torchvision:{get_spec(model).torchvision_weights}":
+            return "torchvision"
+        if weights_id in self._files:
+            return str(self._files[weights_id])
+        raise RequestError(409, "weights_unavailable",
+                           f"weights {weights_id!r} for {model} are not configured on this node "
+                           "(start it with --weights-file PATH)")
+
+    def loaded(self) -> list[LoadedPrefix]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def resident_bytes(self) -> int:
+        with self._lock:
+            return sum(e.memory.weights_bytes for e in self._entries.values())
+
+    @contextmanager
+    def lease(self, model: str, weights_id: str, input_size: int, job: str) -> Iterator[LoadedPrefix]:
+        """The prefix, loaded if needed; it cannot be evicted until the ``with`` block ends."""
+        entry = self._acquire(model, weights_id, input_size, job)
+        try:
+            yield entry
+        finally:
+            with self._lock:
+                entry.users -= 1
+                entry.last_used = time.monotonic()
+
+    def _acquire(self, model: str, weights_id: str, input_size: int, job: str) -> LoadedPrefix:
+        # Only a model whose shape depends on the input size needs one entry per size;
+        # the memory model does, so every size is its own entry.
+        key = (model, weights_id, input_size)
+        if (entry := self._use(key)) is not None:
+            return entry
+        source = self._weights_source(model, weights_id)
+        with self._load_lock:
+            if (entry := self._use(key)) is not None:  # loaded while we waited
+                return entry
+            entry = self._load(key, source, job)
+            with self._lock:
+                entry.users = 1
+                self._entries[key] = entry
+            return entry
+
+    def _use(self, key: PrefixKey) -> LoadedPrefix | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.users += 1
+                self._entries.move_to_end(key)
+            return entry
+
+    def _load(self, key: PrefixKey, source: str, job: str) -> LoadedPrefix:
+        model, _, input_size = key
+        started = time.perf_counter()
+        reservation = None
+        if self.admission is not None:
+            bound = load_bytes_bound(model, input_size, from_file=source not in (RANDOM_WEIGHTS, "torchvision"))
+            if bound > self.admission.capacity:
+                raise RequestError(507, "model_exceeds_memory",
+                                   f"loading {model} at {input_size} px needs up to {bound} bytes; this node "
+                                   f"reserves at most {self.admission.capacity} (raise --memory-budget)")
+            reservation = self.admission.admit(job, bound, bound)
+        try:
+            staged = build_model(model, source, input_size)
+            # Only frozen stages may run here; the rest (often the largest Linear) is dropped.
+            stages = staged.prefix(staged.spec.freeze_index)
+            names = staged.stage_names
+            del staged
+            memory = calibrate(stages, input_size, self.compute_dtype)
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+        if reservation is not None:
+            reservation.shrink(memory.weights_bytes)
+            reservation.keep()
+        load_s = time.perf_counter() - started
+        log.info("loaded prefix %s: %d frozen stages, %.1f MB of weights, calibrated at batches %s in %.2f s",
+                 key, len(stages), memory.weights_bytes / 1e6, CALIBRATION_BATCHES, load_s)
+        return LoadedPrefix(key, stages, names, memory, reservation, load_s)
+
+    def evict_idle(self, nbytes: int) -> None:
+        """Evict idle prefixes, least recently used first, until ``nbytes`` are freed or none is idle.
+
+        Called by admission with its lock held, so it never waits for the cache's lock: a
+        cache busy elsewhere frees nothing this time, and the waiter tries again later.
+        """
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            victims = []
+            for key, entry in self._entries.items():
+                if nbytes <= 0:
+                    break
+                if entry.users == 0 and entry.reservation is not None:
+                    victims.append(key)
+                    nbytes -= entry.reservation.bytes
+            evicted = [self._entries.pop(key) for key in victims]
+        finally:
+            self._lock.release()
+        for entry in evicted:
+            del entry.stages
+            gc.collect()  # modules can sit in reference cycles; their memory must be back now
+            entry.reservation.release()
+            self.evictions += 1
+            log.info("evicted prefix %s (idle, least recently used) to free memory", entry.key)

@@ -1,0 +1,67 @@
+"""storage_side/memory.py: the memory model measured on this node predicts what a forward pass takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hapi.models import build_model
+from storage_side.config import parse_size
+from storage_side.memory import (
+    calibrate,
+    default_memory_budget,
+    machine_memory_bytes,
+    model_bytes,
+    peak_live_bytes,
+    peak_rss_bytes,
+    process_rss_bytes,
+)
+from storage_side.prefix_cache import load_bytes_bound
+
+
+@pytest.mark.parametrize("model, size", [("resnet18", 32), ("resnet18", 96), ("vgg11", 32)])
+def test_calibrated_model_covers_the_measured_peak(model: str, size: int) -> None:
+    staged = build_model(model, input_size=size)
+    frozen = staged.prefix(staged.spec.freeze_index)
+    memory = calibrate(frozen, size, torch.float32)
+    assert memory.weights_bytes == model_bytes(frozen)
+    for split in (4, staged.spec.freeze_index):
+        prefix = staged.prefix(split)
+        for batch in (3, 16, 33):  # neither calibration batch
+            x = torch.randn(batch, 3, size, size)
+            with torch.inference_mode():
+                measured = x.nbytes + peak_live_bytes(lambda prefix=prefix, x=x: prefix(x))
+            predicted = memory.forward_bytes(split, batch)
+            # Never below what it takes; not wastefully above (that would cost concurrency).
+            assert measured <= predicted <= 1.15 * measured + (1 << 20), (split, batch, measured, predicted)
+        with torch.inference_mode():
+            assert prefix(torch.randn(1, 3, size, size))[0].numel() == memory.output_numel[split]
+
+
+def test_load_bound_covers_loading_and_calibrating() -> None:
+    bound = load_bytes_bound("resnet18", 64, from_file=False)
+    staged = build_model("resnet18", input_size=64)
+    memory = calibrate(staged.prefix(11), 64, torch.float32)
+    # The whole model while it is built; then the prefix's weights while calibrating.
+    assert bound >= max(model_bytes(staged), memory.weights_bytes + memory.forward_bytes(11, 8))
+    assert load_bytes_bound("resnet18", 64, from_file=True) > bound  # a state_dict file is read in beside it
+
+
+def test_process_memory_readings() -> None:
+    rss, peak = process_rss_bytes(), peak_rss_bytes()
+    assert 10 << 20 < rss <= peak < machine_memory_bytes()
+    assert 0 < default_memory_budget() <= machine_memory_bytes() // 2
+
+
+@pytest.mark.parametrize("text, value", [
+    ("1000000", 1_000_000), ("512M", 512_000_000), ("2GiB", 2 << 30), ("1.5g", 1_500_000_000), ("64 KiB", 65536),
+    ("800mb", 800_000_000),
+])
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1G", "2XB"])
+def test_parse_size_refuses_nonsense(text: str) -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
