@@ -47,7 +47,7 @@ def local_daemon(store_url: str, log_path: Path, extra_args: tuple[str, ...] = (
         log.info("storage daemon pid %d at %s (log: %s)", process.pid, url, log_path)
         yield url
     finally:
-        _stop(process)
+        stop_process_group(process)
 
 
 def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:
@@ -65,7 +65,8 @@ def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s
     raise RuntimeError(f"storage daemon not healthy after {timeout_s:.0f} s; last log lines:\n" + _tail(log_path))
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM the process's group, SIGKILL it if it lingers."""
     if process.poll() is not None:
         return
     os.killpg(process.pid, signal.SIGTERM)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import requests
 
+from compute_side.daemon_process import stop_process_group
+
 log = logging.getLogger(__name__)
 
 NAMESPACE = "hapi-storage"
@@ -83,7 +85,7 @@ class TwoHosts:
 
     def __exit__(self, *exc: object) -> None:
         for process in reversed(self._processes):
-            _stop(process)
+            stop_process_group(process)
         self._processes.clear()
         self._teardown_network()
         os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
@@ -151,14 +153,3 @@ def _wait_for(ready: callable, process: subprocess.Popen, log_path: Path, timeou
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-15:]) if log_path.exists() else ""
             raise RuntimeError(f"storage host process did not come up; last log lines:\n{tail}")
         time.sleep(0.2)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
