@@ -28,6 +28,23 @@ class WireError(ValueError):
     """A request or response that does not follow the schema."""
 
 
+def _checked_fields(cls: type, body: object, required: tuple[str, ...], types: dict[str, type]) -> dict:
+    """``body`` as a dict of ``cls``'s fields: no unknown, none required missing, scalars typed."""
+    if not isinstance(body, dict):
+        raise WireError("request body must be a JSON object")
+    unknown = set(body) - set(cls.__dataclass_fields__)
+    if unknown:
+        raise WireError(f"unknown field(s) {sorted(unknown)}")
+    for name in required:
+        if name not in body:
+            raise WireError(f"missing field {name!r}")
+    for name, kind in types.items():
+        # bool is an int to Python, never to this schema.
+        if name in body and (not isinstance(body[name], kind) or isinstance(body[name], bool)):
+            raise WireError(f"{name!r} must be a {kind.__name__}, got {body[name]!r}")
+    return body
+
+
 @dataclass(frozen=True)
 class ExtractRequest:
     """Run stages [0, split) of ``model`` on the samples ``keys``; reply with features."""
@@ -50,23 +67,14 @@ class ExtractRequest:
 
     @classmethod
     def from_json(cls, body: object) -> ExtractRequest:
-        if not isinstance(body, dict):
-            raise WireError("request body must be a JSON object")
-        unknown = set(body) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise WireError(f"unknown field(s) {sorted(unknown)}")
-        for name in ("keys", "model", "split"):
-            if name not in body:
-                raise WireError(f"missing field {name!r}")
+        body = _checked_fields(cls, body, required=("keys", "model", "split"),
+                               types={"model": str, "split": int, "weights": str, "dtype": str, "epoch": int,
+                                      "job_id": str})
         keys = body["keys"]
         if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
             raise WireError("'keys' must be a non-empty list of non-empty strings")
         if len(set(keys)) != len(keys):
             raise WireError("'keys' holds duplicates")
-        checks = {"model": str, "split": int, "weights": str, "dtype": str, "epoch": int, "job_id": str}
-        for name, kind in checks.items():
-            if name in body and (not isinstance(body[name], kind) or isinstance(body[name], bool)):
-                raise WireError(f"{name!r} must be a {kind.__name__}, got {body[name]!r}")
         if body.get("dtype", "float32") not in WIRE_DTYPES:
             raise WireError(f"dtype {body['dtype']!r} not one of {sorted(WIRE_DTYPES)}")
         try:
@@ -133,17 +141,9 @@ class ProfileRequest:
 
     @classmethod
     def from_json(cls, body: object) -> ProfileRequest:
-        if not isinstance(body, dict):
-            raise WireError("request body must be a JSON object")
-        unknown = set(body) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise WireError(f"unknown field(s) {sorted(unknown)}")
-        if "model" not in body:
-            raise WireError("missing field 'model'")
-        checks = {"model": str, "weights": str, "input_size": int, "repeats": int, "job_id": str}
-        for name, kind in checks.items():
-            if name in body and (not isinstance(body[name], kind) or isinstance(body[name], bool)):
-                raise WireError(f"{name!r} must be a {kind.__name__}, got {body[name]!r}")
+        body = _checked_fields(cls, body, required=("model",),
+                               types={"model": str, "weights": str, "input_size": int, "repeats": int,
+                                      "job_id": str})
         sizes = body.get("batch_sizes", list(cls.batch_sizes))
         if (not isinstance(sizes, list) or not sizes
                 or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes)):
