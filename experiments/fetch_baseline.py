@@ -5,7 +5,7 @@ objects side by side, several rounds interleaved: a sequential ``get_object`` lo
 naive loader does) and HAPI's ``RawObjectSource`` (concurrent GETs on one shared client),
 with and without decoding. Prints a table and writes CSV.
 
-    python -m experiments.fetch_baseline [--images 400] [--rounds 3]
+    python -m experiments.fetch_baseline [--images 400] [--rounds 3] [--quick]
 """
 
 from __future__ import annotations
@@ -32,7 +32,11 @@ def main() -> None:
     p.add_argument("--images", type=int, default=400, help="images fetched per round (10 classes)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=16, help="concurrent GETs of the baseline loader")
+    p.add_argument("--quick", action="store_true", help="100 images, 1 round")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
+    if args.quick:
+        args.images, args.rounds = 100, 1
 
     with tempfile.TemporaryDirectory() as tmp, SwiftCluster.start(Path(tmp)) as swift:
         os.environ.update(swift.env())  # credentials for HAPI's store, by the standard chain
@@ -73,8 +77,8 @@ def main() -> None:
         median = statistics.median(seconds)
         rows.append({"loader": name, "objects_per_s": round(len(keys) / median, 1),
                      "mb_per_s": round(megabytes / median, 1), "vs_sequential": round(base / median, 2)})
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "fetch_baseline.csv", "w", newline="") as f:
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "fetch_baseline.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

@@ -1,12 +1,17 @@
 """Multi-tenant: N concurrent training jobs on one storage node, HAPI against all-in-storage.
 
-Two emulated hosts. HAPI: N trainers on the compute host, all pushing their frozen
-stages down to the one storage daemon (``--split freeze``). All-in-storage: N trainers
-run whole jobs on the storage host itself, reading Swift locally (``--split
-all-in-compute`` started inside the storage namespace). Reports the average job time (as
-each job measured its own training) and the makespan (first start to last exit).
+Two emulated hosts joined by a shaped link. Every job is a whole ``python -m hapi.train``
+run (start-up, planning, one epoch, validation), all N started at once:
 
-    sudo python -m experiments.multitenant [--jobs 1,2,4,8] [--quick]
+- ``hapi``: N trainers on the compute host, each planning its own split (``--split auto``)
+  against the one shared storage daemon;
+- ``hapi-freeze``: the same, every frozen stage pushed down (``--split freeze``);
+- ``all-in-storage``: N whole jobs run on the storage host itself, reading Swift locally.
+
+Reports each mode's mean job time (each job's wall time, start to exit), the mean of the
+jobs' own training time, and the makespan (first start to last exit).
+
+    sudo python -m experiments.multitenant [--jobs 1,2,4,6,8,10] [--mbit 25] [--quick]
 """
 
 from __future__ import annotations
@@ -20,59 +25,68 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from experiments import twohosts
-from hapi.datasets import make_synthetic
-from hapi.store import S3Store
 
 RESULTS = Path(__file__).parent / "results" / "multitenant"
+MODES = ("hapi", "hapi-freeze", "all-in-storage")
 
 
-def job_command(args: argparse.Namespace, store_url: str, endpoint: str, work: Path, i: int, mode: str,
-                node: str | None) -> list[str]:
+def job_command(args: argparse.Namespace, storage: twohosts.StorageHost, work: Path, i: int, mode: str) -> list[str]:
     command = [sys.executable, "-m", "hapi.train", "--model", args.model, "--image-size", str(args.image_size),
-               "--batch-size", str(args.batch_size), "--store", store_url, "--endpoint-url", endpoint,
+               "--batch-size", str(args.batch_size), "--store", storage.store.url,
+               "--endpoint-url", storage.swift.endpoint_url,
                "--cache-dir", str(work / f"job{i}"), "--output-dir", str(work / f"job{i}" / "run")]
-    if mode == "hapi":
-        return [*command, "--split", "freeze", "--storage-node", node]
-    return [*command, "--split", "all-in-compute"]
+    if mode == "all-in-storage":
+        return [*command, "--split", "all-in-compute"]
+    return [*command, "--split", "auto" if mode == "hapi" else "freeze", "--storage-node", storage.node]
 
 
 def run_jobs(hosts: twohosts.TwoHosts, commands: list[list[str]], on_storage: bool, env: dict[str, str],
-             work: Path) -> tuple[list[float], float]:
-    """Start every job at once; (each job's own training seconds, makespan seconds)."""
+             work: Path) -> dict[str, object]:
+    """Start every job at once and wait for all; their times and the splits they trained with."""
     started = time.perf_counter()
-    processes = []
+    running = []
     for i, command in enumerate(commands):
         log = work / f"job{i}.log"
         if on_storage:
-            processes.append((hosts.spawn_storage(command, log, env=env), log))
+            process = hosts.spawn_storage(command, log, env=env)
         else:
             with open(log, "wb") as f:
-                processes.append((subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT,
-                                                   env={**os.environ, **env}), log))
-    for process, _ in processes:
-        process.wait()
-    makespan = time.perf_counter() - started
-    seconds = []
-    for process, log in processes:
+                process = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        running.append((process, log))
+    wall: dict[int, float] = {}
+    while len(wall) < len(running):
+        for i, (process, _) in enumerate(running):
+            if i not in wall and process.poll() is not None:
+                wall[i] = time.perf_counter() - started
+        time.sleep(0.05)
+    train_s, splits = [], Counter()
+    for process, log in running:
         text = log.read_text(errors="replace")
-        found = re.search(r"trained \d+ samples in ([\d.]+) s", text)
-        if process.returncode or not found:
+        trained = re.search(r"trained \d+ samples in ([\d.]+) s", text)
+        split = re.search(r"HAPI: \S+ (all-in-compute|split \d+)", text)
+        if process.returncode or not trained or not split:
             raise RuntimeError(f"job failed ({log}):\n" + "\n".join(text.splitlines()[-5:]))
-        seconds.append(float(found.group(1)))
-    return seconds, makespan
+        train_s.append(float(trained.group(1)))
+        splits[split.group(1)] += 1
+    return {"mean_job_s": round(statistics.mean(wall.values()), 2), "mean_train_s": round(statistics.mean(train_s), 2),
+            "makespan_s": round(max(wall.values()), 2),
+            "splits": " ".join(f"{s} x{n}" for s, n in sorted(splits.items()))}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--jobs", default="1,2,4,8")
+    p.add_argument("--jobs", default="1,2,4,6,8,10")
     p.add_argument("--model", default="resnet18")
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--train-per-class", type=int, default=8, help="each job trains 10x this many samples")
-    p.add_argument("--quick", action="store_true", help="1 and 2 jobs, 64 px, 32 samples per job")
+    p.add_argument("--mbit", type=float, default=25, help="the shaped link between the hosts")
+    p.add_argument("--quick", action="store_true", help="1 and 2 jobs, 64 px, 40 samples per job")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if args.quick:
         args.jobs, args.image_size, args.train_per_class = "1,2", 64, 4
@@ -80,29 +94,26 @@ def main() -> int:
     if reason:
         print(f"cannot emulate two hosts here: {reason}", file=sys.stderr)
         return 2
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp, twohosts.TwoHosts() as hosts:
-        work = Path(tmp)
-        swift = hosts.start_swift(work)
-        os.environ.update(swift.env)
-        store = S3Store("tenants", "synthetic", endpoint_url=swift.endpoint_url)
-        store.ensure_bucket()
-        make_synthetic(store, args.train_per_class, 1)
-        node = hosts.start_daemon(store.url, swift, work / "daemon.log", extra_args=("--torch-threads", "1"))
-        env = {**swift.env, "OMP_NUM_THREADS": "1"}  # one core per host: one thread per job
-        for n in [int(j) for j in args.jobs.split(",")]:
-            for mode in ("hapi", "all-in-storage"):
-                commands = [job_command(args, store.url, swift.endpoint_url, work, i, mode, node) for i in range(n)]
-                seconds, makespan = run_jobs(hosts, commands, mode == "all-in-storage", env, work)
-                rows.append({"jobs": n, "mode": mode, "mean_job_s": round(statistics.mean(seconds), 2),
-                             "makespan_s": round(makespan, 2)})
-                print(f"{n:3d} jobs  {mode:15s} mean job {rows[-1]['mean_job_s']:7.2f} s  "
-                      f"makespan {rows[-1]['makespan_s']:7.2f} s", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "multitenant.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (open(args.out / "multitenant.csv", "w", newline="") as f, tempfile.TemporaryDirectory() as tmp,
+          twohosts.TwoHosts() as hosts):
+        writer = csv.DictWriter(f, fieldnames=["jobs", "mode", "mbit", "mean_job_s", "mean_train_s", "makespan_s",
+                                               "splits"])
         writer.writeheader()
-        writer.writerows(rows)
+        work = Path(tmp)
+        storage = hosts.start_storage_host(work, "tenants", args.train_per_class, 1)
+        hosts.shape(args.mbit)
+        env = {**storage.swift.env, "OMP_NUM_THREADS": "1"}  # one core per host: one thread per job
+        for n in [int(j) for j in args.jobs.split(",")]:
+            for mode in MODES:
+                commands = [job_command(args, storage, work, i, mode) for i in range(n)]
+                row = {"jobs": n, "mode": mode, "mbit": args.mbit,
+                       **run_jobs(hosts, commands, mode == "all-in-storage", env, work)}
+                writer.writerow(row)
+                f.flush()
+                print(f"{n:3d} jobs  {mode:15s} mean job {row['mean_job_s']:7.2f} s  (training "
+                      f"{row['mean_train_s']:6.2f} s)  makespan {row['makespan_s']:7.2f} s  {row['splits']}",
+                      flush=True)
     return 0
 
 

@@ -6,7 +6,7 @@ The trainer (``python -m hapi.train --split auto``) notices from its own measure
 switches split at a batch boundary. The script then checks from the run's metrics that
 every training sample was trained exactly once per epoch, and prints the timeline.
 
-    sudo python -m experiments.replan_demo [--start-mbit 400 --end-mbit 4 --change-after 12]
+    sudo python -m experiments.replan_demo [--start-mbit 400 --end-mbit 4 --change-after 10] [--quick]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import sys
 import tempfile
 import threading
@@ -25,8 +24,6 @@ from pathlib import Path
 import torch
 
 from experiments import twohosts
-from hapi.datasets import load_manifest, make_synthetic
-from hapi.store import S3Store
 from hapi.train import cli as train_cli
 
 RESULTS = Path(__file__).parent / "results" / "replan"
@@ -48,7 +45,11 @@ def main() -> int:
     p.add_argument("--start-mbit", type=float, default=400)
     p.add_argument("--end-mbit", type=float, default=4)
     p.add_argument("--change-after", type=int, default=10, help="training steps before the link is throttled")
+    p.add_argument("--quick", action="store_true", help="64 px, 240 samples")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
+    if args.quick:
+        args.image_size, args.train_per_class = 64, 24
     reason = twohosts.available()
     if reason:
         print(f"cannot emulate two hosts here: {reason}", file=sys.stderr)
@@ -56,12 +57,7 @@ def main() -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp, twohosts.TwoHosts() as hosts:
         work = Path(tmp)
-        swift = hosts.start_swift(work)
-        os.environ.update(swift.env)
-        store = S3Store("demo", "synthetic", endpoint_url=swift.endpoint_url)
-        store.ensure_bucket()
-        make_synthetic(store, args.train_per_class, 2)
-        node = hosts.start_daemon(store.url, swift, work / "daemon.log", extra_args=("--torch-threads", "1"))
+        storage = hosts.start_storage_host(work, "demo", args.train_per_class, 2)
         hosts.shape(args.start_mbit)
         metrics = work / "run" / "metrics.jsonl"
         changed_at: list[int] = []
@@ -80,22 +76,23 @@ def main() -> int:
         watcher.start()
         try:
             code = train_cli(["--model", args.model, "--image-size", str(args.image_size), "--batch-size",
-                              str(args.batch_size), "--epochs", str(args.epochs), "--store", store.url,
-                              "--endpoint-url", swift.endpoint_url, "--storage-node", node, "--split", "auto",
-                              "--explain", "--output-dir", str(work / "run"), "--cache-dir", str(work)])
+                              str(args.batch_size), "--epochs", str(args.epochs), "--store", storage.store.url,
+                              "--endpoint-url", storage.swift.endpoint_url, "--storage-node", storage.node,
+                              "--split", "auto", "--explain", "--output-dir", str(work / "run"),
+                              "--cache-dir", str(work)])
         finally:
             done.set()
             watcher.join()
         if code:
             return code
-        train_keys = Counter(s.key for s in load_manifest(store).split("train"))
+        train_keys = Counter(s.key for s in storage.manifest.split("train"))
         records = steps(metrics)
         replans = [json.loads(line)["replan"] for line in metrics.read_text().splitlines() if '"replan"' in line]
 
     exactly_once = all(Counter(k for r in records if r["epoch"] == e for k in r["keys"]) == train_keys
                        for e in range(args.epochs))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "timeline.csv", "w", newline="") as f:
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "timeline.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["epoch", "step", "split", "kb_per_sample", "wait_s", "compute_s", "link_mbit"])
         for r in records:

@@ -7,8 +7,8 @@ down on exit, also when a run fails. Needs root (``ip netns``).
 
     with TwoHosts() as hosts:
         hosts.shape(20)                      # Mbit/s, both directions
-        swift = hosts.start_swift(tmp)       # OpenStack Swift (s3api) on the storage host
-        node = hosts.start_daemon(store_url, swift.env, tmp / "daemon.log")
+        storage = hosts.start_storage_host(tmp, "bucket", train_per_class=8)
+        # storage.store: the synthetic set in Swift (s3api); storage.node: the daemon's URL
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from pathlib import Path
 import requests
 
 from compute_side.daemon_process import stop_process_group
+from hapi.datasets import Manifest, make_synthetic
+from hapi.store import S3Store
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,16 @@ def _run(*args: str) -> None:
 class RemoteSwift:
     endpoint_url: str
     env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class StorageHost:
+    """What runs on the storage host: Swift holding the synthetic set, and the daemon."""
+
+    swift: RemoteSwift
+    store: S3Store
+    manifest: Manifest
+    node: str  # the storage daemon's URL
 
 
 @dataclass
@@ -133,6 +145,17 @@ class TwoHosts:
         url = f"http://{STORAGE_IP}:{port}"
         _wait_for(lambda: _healthy(url), self._processes[-1], log_path, 60)
         return url
+
+    def start_storage_host(self, work_dir: Path, bucket: str, train_per_class: int, val_per_class: int = 0,
+                           daemon_args: tuple[str, ...] = ("--torch-threads", "1")) -> StorageHost:
+        """Swift on the storage host with the synthetic set in ``bucket``, and a daemon serving it."""
+        swift = self.start_swift(work_dir)
+        os.environ.update(swift.env)  # this process (the compute host) reads the same store
+        store = S3Store(bucket, "synthetic", endpoint_url=swift.endpoint_url)
+        store.ensure_bucket()
+        manifest = make_synthetic(store, train_per_class, val_per_class)
+        node = self.start_daemon(store.url, swift, work_dir / "daemon.log", extra_args=daemon_args)
+        return StorageHost(swift, store, manifest, node)
 
     def _teardown_network(self) -> None:
         subprocess.run(["ip", "netns", "del", NAMESPACE], capture_output=True)

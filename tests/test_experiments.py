@@ -24,16 +24,21 @@ def test_overlap_quick_feeds_the_report(tmp_path) -> None:
     assert all(float(r["ms_per_iteration"]) > 0 for r in rows)
     _run("experiments.report", "--results", str(results), "--output", str(tmp_path / "REPORT.md"))
     report = (tmp_path / "REPORT.md").read_text()
-    assert "## Bytes and overlap" in report and "| depth 2 |" in report
+    assert "## Overlap ablation" in report and "| depth 2 |" in report
     assert "*No split sweep results yet.*" in report  # a missing experiment is said, not hidden
 
 
 @pytest.mark.skipif(twohosts.available() is not None, reason=f"two emulated hosts: {twohosts.available()}")
-def test_split_sweep_runs_on_two_emulated_hosts(tmp_path) -> None:
+def test_split_sweep_runs_on_two_emulated_hosts_and_feeds_the_report(tmp_path) -> None:
+    results = tmp_path / "results"
     out = _run("experiments.split_sweep", "--quick", "--models", "resnet18", "--bandwidths", "20",
-               "--iterations", "2", "--out", str(tmp_path))
+               "--iterations", "2", "--out", str(results / "split_sweep"))
     assert "choice best or within 5% of best: " in out
-    rows = list(csv.DictReader(open(tmp_path / "sweep.csv")))
+    rows = list(csv.DictReader(open(results / "split_sweep" / "sweep.csv")))
     assert len(rows) == 1 + 12  # all-in-compute and splits 0..11 of resnet18
     assert sum(r["chosen"] == "True" for r in rows) == 1
     assert all(float(r["measured_ms"]) > 0 for r in rows)
+    _run("experiments.report", "--results", str(results), "--output", str(tmp_path / "REPORT.md"))
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "## Headline" in report and "| resnet18 |" in report and "## Where HAPI loses" in report
+    assert (results / "split_sweep" / "throughput.png").stat().st_size > 0
