@@ -17,8 +17,10 @@ from hapi.profile import Profile
 
 log = logging.getLogger(__name__)
 
-# Server-side work on a request, queueing in the node included: a busy node is slower storage.
-_STORAGE_TIMINGS = ("queue_ms", "fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
+# The node's work on a request, and its wait behind other jobs' requests: a busy node is
+# slower storage. A wait behind the job's own requests is neither storage nor transfer.
+_STORAGE_TIMINGS = ("shared_wait_ms", "fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
+_WAIT_TIMINGS = ("queue_ms", "turn_wait_ms")
 
 
 @dataclass
@@ -55,7 +57,9 @@ class Replanner:
         if self.chosen.split == ALL_IN_COMPUTE:
             transfer_ms, storage_ms = batch.timings.get("fetch_ms", 0.0), 0.0
         else:
-            transfer_ms = max(batch.elapsed_ms - storage_ms, 1e-3)
+            own_wait_ms = sum(batch.timings.get(name, 0.0) for name in _WAIT_TIMINGS) \
+                - batch.timings.get("shared_wait_ms", 0.0)
+            transfer_ms = max(batch.elapsed_ms - storage_ms - own_wait_ms, 1e-3)
         w.samples += n
         w.storage_ms += storage_ms
         w.wire_bytes += batch.wire_bytes

@@ -157,6 +157,7 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="resnet18 and alexnet at 10 and 50 Mbit/s, 64 px")
+    p.add_argument("--daemon-args", default="", help="extra options of the storage daemon, e.g. '--max-running 1'")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if args.quick:  # explicit --models / --bandwidths / --iterations still win
@@ -180,7 +181,8 @@ def main() -> int:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         n = args.batch_size * (args.warmup + args.iterations)
-        storage = hosts.start_storage_host(Path(tmp), "sweep", train_per_class=-(-n // 10))
+        storage = hosts.start_storage_host(Path(tmp), "sweep", train_per_class=-(-n // 10),
+                                           daemon_args=("--torch-threads", "1", *args.daemon_args.split()))
         samples = list(storage.manifest.split("train")[:n])
         client = StorageClient(storage.node)
         for bandwidth in [float(b) for b in args.bandwidths.split(",")]:

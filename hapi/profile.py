@@ -79,6 +79,7 @@ def time_forward(stages: nn.Sequential, input_size: int, batch_size: int, repeat
 def time_decode(transform: TransformSpec, samples: int = 8) -> float:
     """Per-sample decode + transform time (ms) of ImageNet-sized JPEGs."""
     blobs = [render_jpeg(i % 10, i) for i in range(samples)]
+    preprocess(blobs[0], "warm-up", transform)  # the first decode loads codecs and fills caches
     started = time.perf_counter()
     for i, blob in enumerate(blobs):
         preprocess(blob, str(i), transform)

@@ -109,6 +109,12 @@ class Admission:
         with self._cond:
             return sum(len(lane) for lane in self._lanes.values())
 
+    @property
+    def jobs_active(self) -> int:
+        """Jobs with a request running or waiting."""
+        with self._cond:
+            return len(self._running.keys() | self._lanes.keys())
+
     def retry_after_s(self) -> int:
         """When a refused request should come back: about when one running now will be done."""
         return max(1, min(60, math.ceil(self._mean_hold_s)))

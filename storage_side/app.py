@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import time
 
 import torch
@@ -23,7 +22,7 @@ from hapi.store import MissingObjectError, open_store
 from hapi.transforms import CorruptImageError
 from hapi.wire import FEATURES_CONTENT_TYPE, ExtractRequest, ProfileRequest, WireError
 from storage_side.admission import Admission
-from storage_side.config import DaemonConfig
+from storage_side.config import DaemonConfig, usable_cpus
 from storage_side.errors import RequestError
 from storage_side.executor import Extractor, RequestStats
 from storage_side.memory import default_memory_budget, process_rss_bytes
@@ -73,7 +72,7 @@ def create_app(config: DaemonConfig) -> Flask:
                  if config.adapt else None)
     cache = PrefixCache(admission, config.weights_files, compute_dtype)
     extractor = Extractor(store, cache, admission, config.io_threads, config.min_sub_batch, config.max_sub_batch,
-                          compute_dtype)
+                          compute_dtype, config.compute_slots() if config.adapt else None)
     metrics = Metrics(budget, admission, cache)
     app.extensions["hapi"] = {"admission": admission, "cache": cache, "extractor": extractor, "metrics": metrics}
     log.info("memory budget %.0f MB: %.0f MB idle process, %.0f MB for models and requests (%s)",
@@ -161,7 +160,7 @@ def create_app(config: DaemonConfig) -> Flask:
                     reservation.release()
             return jsonify(model=req.model, weights=req.weights, input_size=req.input_size,
                            batch_sizes=list(req.batch_sizes), compute_dtype=config.compute_dtype,
-                           torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
+                           torch_threads=torch.get_num_threads(), cpu_count=usable_cpus(),
                            memory=prefix.memory.to_json(), stages=stages)
 
     @app.errorhandler(WireError)

@@ -53,8 +53,8 @@ class DaemonConfig:
               "at once, unqueued (the reference system's behaviour; for comparison only: it can run out of memory)")
     max_running: int = _option(
         0, "requests running at once (holding memory, fetching, decoding, computing); the rest wait their "
-           "turn. 0: one more than the cores can keep busy (cores / torch threads), so one request decodes "
-           "while the others compute")
+           "turn. 0: one more than the cores can keep busy (cores / torch threads), so one request fetches "
+           "and decodes while the others compute")
     max_queue: int = _option(64, "requests waiting for memory, over all jobs; beyond it: 503 + Retry-After")
     queue_timeout_s: float = _option(30.0, "seconds a request may wait for memory before 503 + Retry-After")
     max_keys_per_request: int = _option(1024, "keys per extract request; beyond it: 413")
@@ -77,12 +77,18 @@ class DaemonConfig:
         if self.max_queue < 0 or self.queue_timeout_s < 0 or self.max_running < 0:
             raise ValueError("max_queue, max_running and queue_timeout_s must be >= 0")
 
+    def compute_slots(self) -> int:
+        """Requests whose prefix runs at once: one per group of torch threads on this node's cores."""
+        return max(1, usable_cpus() // (self.torch_threads or torch.get_num_threads()))
+
     def running_limit(self) -> int:
-        """``max_running``, or what the cores can keep busy when it is 0 (auto)."""
-        if self.max_running:
-            return self.max_running
-        threads = self.torch_threads or torch.get_num_threads()
-        return max(1, (os.cpu_count() or 1) // threads) + 1
+        """``max_running``, or (0: auto) one more than the compute slots."""
+        return self.max_running or self.compute_slots() + 1
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on: its affinity (taskset, cpusets), not the machine's."""
+    return len(os.sched_getaffinity(0))
 
 
 def option_help(name: str) -> str:

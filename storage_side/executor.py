@@ -4,11 +4,18 @@ The sub-batch is the daemon's own choice: frozen stages run in eval mode, so a s
 features do not depend on what it is batched with, and the daemon sizes sub-batches to
 the memory it was granted without changing anything the trainer sees. Inside a request,
 the next sub-batch is decoded on the I/O threads while the prefix runs on this one.
+
+Requests take turns to run their prefix, one per compute slot (a group of torch threads'
+cores), in about the order they came: requests sharing a core would all finish late and
+together, leaving the link idle while they compute and then crowding it. A request
+waiting for its turn has already fetched its objects and started decoding them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -81,7 +88,7 @@ class Extractor:
 
     def __init__(self, store: ObjectStore, cache: PrefixCache, admission: Admission | None,
                  io_threads: int, min_sub_batch: int, max_sub_batch: int,
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+                 compute_dtype: torch.dtype = torch.float32, compute_slots: int | None = None) -> None:
         self.store = store
         self.cache = cache
         self.admission = admission
@@ -90,6 +97,8 @@ class Extractor:
         self.max_sub_batch = max_sub_batch
         self.compute_dtype = compute_dtype
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="io")
+        # None: prefixes run whenever their requests arrive (no adaptation, for comparison only).
+        self.compute_turns = threading.Semaphore(compute_slots) if compute_slots else contextlib.nullcontext()
         # Before any request has been seen: a ~100 KB JPEG of ~500x400 px, like ImageNet's.
         self.sample_sizes = SampleSizes(Staging(raw_per_sample=128 << 10, decode_peak=2 * 500 * 400 * 3))
 
@@ -184,23 +193,32 @@ class Extractor:
 
         decode_wait = forward_s = 0.0
         pending = submit(0)
-        for start in range(0, n, sub_batch):
-            waited = time.perf_counter()
-            inputs = torch.stack(_results(pending))
-            decode_wait += time.perf_counter() - waited
-            pending = submit(start + sub_batch) if start + sub_batch < n else []
-            ran = time.perf_counter()
-            with torch.inference_mode(), autocast_context(self.compute_dtype):
-                out = stages(inputs)
-            del inputs
-            if features is None:
-                features = torch.empty((n, *out.shape[1:]), dtype=WIRE_DTYPES[request.dtype])
-            features[start: start + len(out)] = out
-            del out
-            forward_s += time.perf_counter() - ran
+        started = time.perf_counter()
+        with self.compute_turns:
+            timings["turn_wait_ms"] = _ms_since(started)
+            for start in range(0, n, sub_batch):
+                waited = time.perf_counter()
+                inputs = torch.stack(_results(pending))
+                decode_wait += time.perf_counter() - waited
+                pending = submit(start + sub_batch) if start + sub_batch < n else []
+                ran = time.perf_counter()
+                with torch.inference_mode(), autocast_context(self.compute_dtype):
+                    out = stages(inputs)
+                del inputs
+                if features is None:
+                    features = torch.empty((n, *out.shape[1:]), dtype=WIRE_DTYPES[request.dtype])
+                features[start: start + len(out)] = out
+                del out
+                forward_s += time.perf_counter() - ran
         timings["decode_wait_ms"] = round(decode_wait * 1e3, 3)
         timings["forward_ms"] = round(forward_s * 1e3, 3)
 
+        # Of the time this request waited, the part spent behind other jobs' requests (a
+        # share by how many jobs are active): what a busy node costs this job. The rest was
+        # its own requests queueing behind each other, which the node's work already counts.
+        jobs = self.admission.jobs_active if self.admission else 1
+        waited_ms = timings.get("queue_ms", 0.0) + timings["turn_wait_ms"]
+        timings["shared_wait_ms"] = round(waited_ms * (1 - 1 / max(jobs, 1)), 3)
         started = time.perf_counter()
         stage_name = prefix.stage_names[request.split - 1] if request.split else "input"
         metadata = {"split": request.split, "stage": stage_name, "timings": timings,
