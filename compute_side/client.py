@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import requests
@@ -37,6 +38,7 @@ class Extracted:
     keys: tuple[str, ...]
     metadata: dict[str, object]
     wire_bytes: int  # bytes of the response body
+    body_s: float  # from the response headers to its last byte: the body's time on the link
 
 
 class StorageClient:
@@ -95,8 +97,10 @@ class StorageClient:
             except requests.RequestException as exc:
                 raise StorageNodeError(self.url, None, "unreachable", f"unreachable ({type(exc).__name__})") from None
             self._raise_for_error(response)
+            started = time.perf_counter()
             try:
                 blob = _read_body(response)
+                body_s = time.perf_counter() - started
                 break
             except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
                 if attempt == BODY_RETRIES:
@@ -106,7 +110,7 @@ class StorageClient:
         features, keys, metadata = decode_features(blob)
         if keys != request.keys:
             raise StorageNodeError(self.url, response.status_code, "bad_response", "features for other keys")
-        return Extracted(features, keys, metadata, len(blob))
+        return Extracted(features, keys, metadata, len(blob), body_s)
 
 
 def _read_body(response: requests.Response) -> bytearray:

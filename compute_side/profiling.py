@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -22,7 +23,7 @@ _WORK_TIMINGS = ("fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
 
 
 def storage_tier_times(client: StorageClient, template: ExtractRequest, batch_size: int,
-                       samples: Sequence[Sample], bandwidth: float) -> TierTimes:
+                       samples: Sequence[Sample], bandwidth: float, rounds: int = 3) -> TierTimes:
     """The node's per-sample forward time per frozen stage (it times itself) and decode time.
 
     Decode is measured on real objects of the data set: a split-0 request does nothing
@@ -31,10 +32,12 @@ def storage_tier_times(client: StorageClient, template: ExtractRequest, batch_si
     body = client.profile(ProfileRequest(template.model, template.weights, template.transform.crop_size,
                                          (batch_size,), job_id=template.job_id))
     forward = tuple(stage["ms"][str(batch_size)] / batch_size for stage in body["stages"])
-    extracted = client.extract(replace(template, keys=tuple(s.key for s in samples), split=0))
-    timings = extracted.metadata["timings"]
-    decode_ms = (timings.get("decode_wait_ms", 0.0) + timings.get("forward_ms", 0.0)) / len(samples)
-    fetch_ms = timings.get("fetch_ms", 0.0) / len(samples)
+    request = replace(template, keys=tuple(s.key for s in samples), split=0)
+    # The median of a few: the first request also warms the store's connections and caches.
+    timings = [client.extract(request).metadata["timings"] for _ in range(rounds)]
+    decode_ms = statistics.median(t.get("decode_wait_ms", 0.0) + t.get("forward_ms", 0.0) for t in timings)
+    fetch_ms = statistics.median(t.get("fetch_ms", 0.0) for t in timings)
+    decode_ms, fetch_ms = decode_ms / len(samples), fetch_ms / len(samples)
     host = f"storage node {client.url} ({body['cpu_count']} cpus, {body['torch_threads']} threads)"
     return TierTimes(host, batch_size, body["torch_threads"], decode_ms, forward, fetch_ms=fetch_ms,
                      request_ms=request_overhead_ms(client, template, samples[0], bandwidth))
@@ -57,17 +60,15 @@ def request_overhead_ms(client: StorageClient, template: ExtractRequest, sample:
 
 def measure_bandwidth(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
                       rounds: int = 3) -> float:
-    """Bytes/s between the tiers: decoded images (the largest payload) timed end to end,
-    less the time the node reports working on them. Best of ``rounds``."""
+    """Bytes/s between the tiers: decoded images (the largest payload), each reply's body
+    timed from its headers to its last byte (the node sends once its work is done), median
+    of ``rounds``."""
     request = replace(template, keys=tuple(s.key for s in samples), split=0, dtype="float32")
-    best = 0.0
+    rates = []
     for _ in range(rounds):
-        started = time.perf_counter()
         extracted = client.extract(request)
-        elapsed = time.perf_counter() - started
-        server_s = sum(extracted.metadata["timings"].get(name, 0.0) for name in _WORK_TIMINGS) / 1e3
-        best = max(best, extracted.wire_bytes / max(elapsed - server_s, 1e-6))
-    return best
+        rates.append(extracted.wire_bytes / max(extracted.body_s, 1e-6))
+    return statistics.median(rates)
 
 
 def measure_profile(model: StagedModel, client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],

@@ -12,9 +12,9 @@ from hapi.datasets import Sample
 from hapi.planner import candidates, choose, evaluate
 
 
-def _batch(split: int, n: int, wire_bytes: int, storage_ms: float, elapsed_ms: float) -> Batch:
+def _batch(split: int, n: int, wire_bytes: int, storage_ms: float, elapsed_ms: float, **waits: float) -> Batch:
     return Batch(torch.zeros(n, 1), torch.zeros(n, dtype=torch.long), tuple(f"k{i}" for i in range(n)), split,
-                 wire_bytes, 100_000 * n, 1, 0.0, elapsed_ms, {"forward_ms": storage_ms})
+                 wire_bytes, 100_000 * n, 1, 0.0, elapsed_ms, {"forward_ms": storage_ms, **waits})
 
 
 def test_a_link_that_slows_down_moves_the_split_to_fewer_bytes() -> None:
@@ -38,6 +38,32 @@ def test_measurements_that_match_the_plan_change_nothing() -> None:
     batch = _batch(chosen.split, 32, int(planned.bytes_per_sample * 32), planned.storage_ms * 32,
                    planned.storage_ms * 32 + planned.transfer_ms * 32)
     assert all(Replanner(p, chosen, 32, 1000, ("float32",), every=2).observe(batch) is None for _ in range(6))
+
+
+def test_queueing_behind_the_jobs_own_requests_is_neither_storage_nor_link() -> None:
+    p = profile(bandwidth=1e6)
+    chosen = choose(candidates(p, 32, 1000))
+    planned = evaluate(p, chosen.split, "float32", 32, 1000)
+    # Deep prefetch: each request waited three times its work behind the job's own requests.
+    own_wait = 3 * planned.storage_ms * 32
+    batch = _batch(chosen.split, 32, int(planned.bytes_per_sample * 32), planned.storage_ms * 32,
+                   planned.storage_ms * 32 + planned.transfer_ms * 32 + own_wait, queue_ms=own_wait,
+                   shared_wait_ms=0.0)
+    replanner = Replanner(p, chosen, 32, 1000, ("float32",), every=2)
+    assert all(replanner.observe(batch) is None for _ in range(6))
+    assert abs(replanner.profile.bandwidth - 1e6) / 1e6 < 0.01
+
+
+def test_a_node_busy_with_other_jobs_is_slower_storage() -> None:
+    p = profile(bandwidth=1e9, storage_ms=0.1, compute_ms=3.0)
+    chosen = choose(candidates(p, 32, 1000))
+    planned = evaluate(p, chosen.split, "float32", 32, 1000)
+    shared = 100 * planned.compute_ms * 32  # the node now spends most of its time on other jobs
+    batch = _batch(chosen.split, 32, int(planned.bytes_per_sample * 32), planned.storage_ms * 32,
+                   planned.storage_ms * 32 + shared, queue_ms=shared, shared_wait_ms=shared)
+    replanner = Replanner(p, chosen, 32, 1000, ("float32",), every=2)
+    decisions = [replanner.observe(batch) for _ in range(2)]
+    assert decisions[1] is not None and decisions[1].split < chosen.split  # less work pushed down
 
 
 class SplitSource:

@@ -7,6 +7,7 @@ daemon here), so the capacity left for models and requests is known.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -122,6 +123,34 @@ def test_a_reply_still_being_sent_does_not_hold_the_next_requests_turn(data) -> 
     for response in unsent:
         response.close()
     assert admission.reserved == admission.kept == _services(app)["cache"].resident_bytes()
+
+
+def test_prefixes_take_turns_and_waits_behind_other_jobs_are_told_apart(data) -> None:
+    """One compute slot: requests wait their turn; only a wait behind another job counts as shared."""
+    threads = torch.get_num_threads()
+    app = _app(data, capacity=400 * MB, max_running=6, torch_threads=len(os.sched_getaffinity(0)))
+    torch.set_num_threads(threads)  # create_app set the whole test process's threads
+    client = app.test_client()
+    assert _extract(client, data.keys[:2], "warm-up").status_code == 200  # the prefix loaded
+
+    def timings(i: int, job: str) -> dict:
+        response = _extract(client, data.keys[i * 10: i * 10 + 10], job)
+        assert response.status_code == 200, response.get_json()
+        return decode_features(response.data)[2]["timings"]
+
+    with ThreadPoolExecutor(6) as pool:
+        alone = list(pool.map(timings, range(6), ["a"] * 6))
+        mixed = list(pool.map(timings, range(6), ["a", "b"] * 3))
+    assert max(t["turn_wait_ms"] for t in alone) > 0  # they queued for the one slot...
+    assert all(t["shared_wait_ms"] == 0 for t in alone)  # ...behind their own job only
+    assert max(t["shared_wait_ms"] for t in mixed) > 0
+
+
+def test_compute_slots_count_the_cores_this_process_may_use() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert DaemonConfig(store_url="file:///x", torch_threads=1).compute_slots() == cores
+    assert DaemonConfig(store_url="file:///x", torch_threads=1).running_limit() == cores + 1
+    assert DaemonConfig(store_url="file:///x", torch_threads=cores).compute_slots() == 1
 
 
 def test_a_request_that_can_never_fit_is_413_with_the_keys_that_would(data) -> None:
