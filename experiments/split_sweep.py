@@ -131,7 +131,7 @@ def summarise(rows: list[dict]) -> str:
     cases = {}
     for r in rows:
         cases.setdefault((r["bandwidth_mbit"], r["model"]), []).append(r)
-    good, lines = 0, []
+    good, lines, regret = 0, [], []
     errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows if not r["stopped_early"]]
     for (bw, model), case in sorted(cases.items()):
         best = min(case, key=lambda r: r["measured_ms"])
@@ -139,12 +139,14 @@ def summarise(rows: list[dict]) -> str:
         baseline = next(r for r in case if r["split"] == ALL_IN_COMPUTE)
         within = chosen["measured_ms"] <= best["measured_ms"] * 1.05
         good += within
+        regret.append(chosen["measured_ms"] / best["measured_ms"] - 1)
         lines.append(f"{model:12s} {bw:6g} Mbit/s  chosen {chosen['candidate']:16s} {chosen['measured_ms']:8.1f} ms  "
                      f"best {best['candidate']:16s} {best['measured_ms']:8.1f} ms  "
                      f"{'ok' if within else 'MISS':4s}  speed-up vs all-in-compute "
                      f"{baseline['measured_ms'] / chosen['measured_ms']:.2f}x")
     lines.append(f"choice best or within 5% of best: {good}/{len(cases)} = {good / len(cases):.1%}; "
-                 f"median prediction error {sorted(errors)[len(errors) // 2]:.0%}")
+                 f"median prediction error {sorted(errors)[len(errors) // 2]:.0%}; the choice "
+                 f"{sum(regret) / len(regret):.1%} slower than the best on average, {max(regret):.0%} at worst")
     return "\n".join(lines)
 
 
