@@ -9,9 +9,11 @@ between tiers without changing what the model sees.
 from __future__ import annotations
 
 import hashlib
+import io
 from dataclasses import asdict, dataclass
 
 import torch
+from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
@@ -20,6 +22,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # RandomResizedCrop's defaults (torchvision, Inception-style augmentation).
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 class CorruptImageError(ValueError):
@@ -87,10 +90,22 @@ def _random_crop_box(height: int, width: int, g: torch.Generator) -> tuple[int, 
     return (height - side) // 2, (width - side) // 2, side, side
 
 
+def _check_png(data: bytes, key: str) -> None:
+    """PIL reads the PNG first: libpng inside torchvision crashes the whole process on some
+    malformed ones (a header that claims more pixels than the data holds)."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise CorruptImageError(key, f"not a valid PNG ({exc})") from None
+
+
 def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0) -> torch.Tensor:
     """Decode ``data`` and return a normalised float32 (3, crop, crop) tensor."""
     if not data:
         raise CorruptImageError(key, "the object is empty")
+    if data.startswith(PNG_SIGNATURE):
+        _check_png(data, key)
     try:
         image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
     except RuntimeError:

@@ -1,4 +1,6 @@
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -48,3 +50,19 @@ def test_corrupt_images_name_their_key(data: bytes) -> None:
     with pytest.raises(CorruptImageError, match="'bad/key.jpg'") as info:
         preprocess(data, "bad/key.jpg", TransformSpec(crop_size=32, resize_size=32))
     assert info.value.key == "bad/key.jpg"
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A 10x10 PNG whose header says ``width`` x ``height`` (with a valid header checksum)."""
+    out = io.BytesIO()
+    Image.new("RGB", (10, 10), (200, 10, 10)).save(out, "PNG")
+    png = bytearray(out.getvalue())
+    png[16:24] = struct.pack(">II", width, height)
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(png[12:29])))
+    return bytes(png)
+
+
+def test_a_png_whose_header_lies_is_corrupt_not_a_crash() -> None:
+    # Handed to torchvision's libpng as is, this one kills the process (segmentation fault).
+    with pytest.raises(CorruptImageError, match="'lying.png'.*not a valid PNG"):
+        preprocess(_png_claiming(20, 20), "lying.png", TransformSpec(crop_size=8, resize_size=8))
