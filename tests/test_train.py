@@ -73,9 +73,12 @@ def _daemons_for(cache_dir) -> list[str]:
 
 
 def test_ctrl_c_stops_the_daemon(cache_dir) -> None:
+    # Ctrl-C as a terminal sends it: with SIGINT's default action, even where this test runs
+    # in the background (a shell starts background jobs with SIGINT ignored, and Python keeps that).
     process = subprocess.Popen([sys.executable, "-m", "hapi.train", *SMALL, "--cache-dir", str(cache_dir),
                                 "--epochs", "50"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 60
     while not _daemons_for(cache_dir) and time.monotonic() < deadline:
         time.sleep(0.2)
