@@ -119,4 +119,9 @@ def summary(profile: Profile, chosen: Candidate) -> str:
     where = chosen.label if chosen.split <= 0 else f"{chosen.label} (after {profile.stage_names[chosen.split - 1]})"
     return (f"planner: {where}; predicted per sample storage {chosen.storage_ms:.2f} ms, network "
             f"{chosen.transfer_ms:.2f} ms, compute {chosen.compute_ms:.2f} ms ({chosen.bottleneck}-bound); "
-            f"{reduction:.1f}x fewer bytes than the raw objects")
+            f"{bytes_versus_raw(reduction)} than the raw objects")
+
+
+def bytes_versus_raw(reduction: float) -> str:
+    """Raw bytes / moved bytes in words; a fast link may make moving more bytes the better plan."""
+    return f"{reduction:.1f}x fewer bytes" if reduction >= 1 else f"{1 / reduction:.1f}x more bytes"

@@ -285,11 +285,13 @@ def describe_split(model: StagedModel, split: int) -> str:
 def report(total: Totals, val: Totals) -> str:
     ratio = total.raw_bytes / total.wire_bytes if total.wire_bytes else float("nan")
     busy = total.wait_s + total.compute_s
+    # An early split on a fast link can move more than the JPEGs: say so rather than "0.0x less".
+    moved = f"{1 / ratio:.1f}x more" if ratio < 1 else f"{ratio:.1f}x less"
     return "\n".join([
         f"trained {total.samples} samples in {total.seconds:.1f} s: {total.samples / total.seconds:.1f} samples/s; "
         f"waiting for data {total.wait_s / busy:.0%}, computing {total.compute_s / busy:.0%}",
         f"over the network: {total.wire_bytes / 1e6:.1f} MB vs {total.raw_bytes / 1e6:.1f} MB of raw objects "
-        f"for the same samples: {ratio:.1f}x less",
+        f"for the same samples: {moved}",
         f"final validation: loss {val.loss_sum / val.samples:.4f}, accuracy {val.correct / val.samples:.3f}",
     ])
 
