@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from compute_side.client import StorageClient
+from compute_side.client import Extracted, StorageClient
 from hapi.datasets import Sample
 from hapi.models import StagedModel
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
@@ -22,53 +22,49 @@ log = logging.getLogger(__name__)
 _WORK_TIMINGS = ("fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
 
 
-def storage_tier_times(client: StorageClient, template: ExtractRequest, batch_size: int,
-                       samples: Sequence[Sample], bandwidth: float, rounds: int = 3) -> TierTimes:
-    """The node's per-sample forward time per frozen stage (it times itself) and decode time.
+def probe_link(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
+               rounds: int = 3) -> list[Extracted]:
+    """Split-0 replies of decoded images: the largest payload, and nothing but fetch and
+    decode on the node. They measure the link and, when a profile is taken, the node."""
+    request = replace(template, keys=tuple(s.key for s in samples), split=0, dtype="float32")
+    return [client.extract(request) for _ in range(rounds)]
 
-    Decode is measured on real objects of the data set: a split-0 request does nothing
-    else.
-    """
+
+def bandwidth_of(probes: Sequence[Extracted]) -> float:
+    """Bytes/s: each reply's body timed from its headers to its last byte (the node sends
+    once its work is done), median over the probes."""
+    return statistics.median(p.wire_bytes / max(p.body_s, 1e-6) for p in probes)
+
+
+def storage_tier_times(client: StorageClient, template: ExtractRequest, batch_size: int,
+                       probes: Sequence[Extracted]) -> TierTimes:
+    """The node's per-sample forward time per frozen stage (it times itself), and its fetch
+    and decode time from the probe replies (median: the first also warms the store's
+    connections and caches)."""
     body = client.profile(ProfileRequest(template.model, template.weights, template.transform.crop_size,
                                          (batch_size,), job_id=template.job_id))
     forward = tuple(stage["ms"][str(batch_size)] / batch_size for stage in body["stages"])
-    request = replace(template, keys=tuple(s.key for s in samples), split=0)
-    # The median of a few: the first request also warms the store's connections and caches.
-    timings = [client.extract(request).metadata["timings"] for _ in range(rounds)]
+    samples = len(probes[0].keys)
+    timings = [p.metadata["timings"] for p in probes]
     decode_ms = statistics.median(t.get("decode_wait_ms", 0.0) + t.get("forward_ms", 0.0) for t in timings)
     fetch_ms = statistics.median(t.get("fetch_ms", 0.0) for t in timings)
-    decode_ms, fetch_ms = decode_ms / len(samples), fetch_ms / len(samples)
     host = f"storage node {client.url} ({body['cpu_count']} cpus, {body['torch_threads']} threads)"
-    return TierTimes(host, batch_size, body["torch_threads"], decode_ms, forward, fetch_ms=fetch_ms,
-                     request_ms=request_overhead_ms(client, template, samples[0], bandwidth))
+    return TierTimes(host, batch_size, body["torch_threads"], decode_ms / samples, forward,
+                     fetch_ms=fetch_ms / samples,
+                     request_ms=request_overhead_ms(client, replace(template, keys=probes[0].keys[:1], split=0)))
 
 
-def request_overhead_ms(client: StorageClient, template: ExtractRequest, sample: Sample, bandwidth: float,
-                        rounds: int = 5) -> float:
-    """What a request costs beyond the node's work and its bytes: a one-sample request,
-    timed end to end, less the node's own work and its bytes' time on the link (median)."""
-    request = replace(template, keys=(sample.key,), split=0)
+def request_overhead_ms(client: StorageClient, request: ExtractRequest, rounds: int = 5) -> float:
+    """What a request costs beyond the node's work and its body's time on the link: a
+    one-sample request timed end to end, less both (median)."""
     costs = []
     for _ in range(rounds):
         started = time.perf_counter()
         extracted = client.extract(request)
         elapsed_ms = (time.perf_counter() - started) * 1e3
         work_ms = sum(extracted.metadata["timings"].get(name, 0.0) for name in _WORK_TIMINGS)
-        costs.append(max(elapsed_ms - work_ms - extracted.wire_bytes / bandwidth * 1e3, 0.0))
-    return sorted(costs)[len(costs) // 2]
-
-
-def measure_bandwidth(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
-                      rounds: int = 3) -> float:
-    """Bytes/s between the tiers: decoded images (the largest payload), each reply's body
-    timed from its headers to its last byte (the node sends once its work is done), median
-    of ``rounds``."""
-    request = replace(template, keys=tuple(s.key for s in samples), split=0, dtype="float32")
-    rates = []
-    for _ in range(rounds):
-        extracted = client.extract(request)
-        rates.append(extracted.wire_bytes / max(extracted.body_s, 1e-6))
-    return statistics.median(rates)
+        costs.append(max(elapsed_ms - work_ms - extracted.body_s * 1e3, 0.0))
+    return statistics.median(costs)
 
 
 def measure_profile(model: StagedModel, client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
@@ -79,8 +75,8 @@ def measure_profile(model: StagedModel, client: StorageClient, template: Extract
     ``profiles_dir``; the bandwidth and the raw object size change, and are measured anew.
     """
     input_size = template.transform.crop_size
-    probe = samples[: min(len(samples), 8)]
-    bandwidth = measure_bandwidth(client, template, probe)
+    probes = probe_link(client, template, samples[:8])
+    bandwidth = bandwidth_of(probes)
     raw_bytes = sum(s.size for s in samples) / len(samples)
     compute_host = host_name()
     node = client.url
@@ -89,7 +85,7 @@ def measure_profile(model: StagedModel, client: StorageClient, template: Extract
         profile = Profile.from_json(saved.read_text())
         log.info("stage times from %s", saved)
         return replace(profile, raw_bytes=raw_bytes, bandwidth=bandwidth)
-    storage = storage_tier_times(client, template, batch_size, probe, bandwidth)
+    storage = storage_tier_times(client, template, batch_size, probes)
     compute = profile_tier(model, input_size, batch_size, model.spec.freeze_index, with_training=True)
     profile = Profile(model.spec.name, input_size, model.stage_names, model.spec.freeze_index,
                       output_elements(model, input_size), storage, compute, raw_bytes, bandwidth)
