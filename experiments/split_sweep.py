@@ -7,9 +7,14 @@ cases where the planner's choice is the best or within 5% of it, its prediction 
 candidate, and the speed-up of the choice over all-in-compute. One row per candidate in
 ``results/split_sweep/sweep.csv``; the report and plots are made from it.
 
+Each candidate is trained as ``hapi.train`` trains: the pipelined loader with its default
+depth of requests in flight. The warm-up fills that pipeline (as many iterations as the
+depth): with fewer, requests fetched during the warm-up would flatter the timed window.
+
 Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's patches stay
-16 px), batch 8, 2 warm-up + 4 timed iterations per candidate, bandwidths 5-100 Mbit/s.
-Candidates within 25% of the best are timed three times and keep the median.
+16 px), batch 8, 4 warm-up + 5 timed iterations per candidate, bandwidths 5-100 Mbit/s.
+A candidate 2x slower than the best so far is stopped there; candidates within 20% of the
+best are timed three times and keep the median.
 
     sudo python -m experiments.split_sweep [--quick] [--models ...] [--bandwidths 5,25,100]
 """
@@ -36,6 +41,7 @@ from experiments import twohosts
 from hapi.models import build_model
 from hapi.planner import ALL_IN_COMPUTE, Candidate, candidates, choose
 from hapi.store import S3Store
+from hapi.train import DEFAULT_DEPTH
 from hapi.transforms import TransformSpec
 from hapi.wire import ExtractRequest
 
@@ -45,9 +51,9 @@ FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage"
           "measured_ms", "runs", "stopped_early", "chosen", "bottleneck")
 # A candidate slower than this many times the best so far is stopped, or not started when
 # its bytes alone would take that long on the link; a lower bound is kept either way.
-GIVE_UP_FACTOR = 3
+GIVE_UP_FACTOR = 2
 # Candidates within this factor of the best are timed RETIMED_RUNS times in all.
-RETIME_WITHIN = 1.25
+RETIME_WITHIN = 1.2
 RETIMED_RUNS = 3
 
 
@@ -84,7 +90,7 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     def measure(c: Candidate, give_up_s: float) -> tuple[float, bool]:
         source = (RawObjectSource(store, transform) if c.split == ALL_IN_COMPUTE else
                   PushdownSource([client], ExtractRequest(**{**template.__dict__, "split": c.split})))
-        return time_candidate(PipelinedLoader(source, args.batch_size, depth=2), trainer, batches, args.warmup,
+        return time_candidate(PipelinedLoader(source, args.batch_size, args.depth), trainer, batches, args.warmup,
                               give_up_s)
 
     rows = []
@@ -156,8 +162,9 @@ def main() -> int:
     p.add_argument("--bandwidths", default="5,25,100", help="Mbit/s of the shaped link")
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=5, help="timed steady-state iterations per candidate")
+    p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="requests in flight, as in hapi.train")
+    p.add_argument("--warmup", type=int, help="iterations before the clock starts (default: the depth)")
     p.add_argument("--quick", action="store_true", help="resnet18 and alexnet at 10 and 50 Mbit/s, 64 px")
     p.add_argument("--daemon-args", default="", help="extra options of the storage daemon, e.g. '--max-running 1'")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -168,6 +175,7 @@ def main() -> int:
         args.bandwidths = args.bandwidths if args.bandwidths != defaults.bandwidths else "10,50"
         args.iterations = args.iterations if args.iterations != defaults.iterations else 3
         args.image_size = 64
+    args.warmup = args.depth if args.warmup is None else args.warmup
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("urllib3").setLevel(logging.ERROR)
     reason = twohosts.available()
