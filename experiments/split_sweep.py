@@ -8,11 +8,13 @@ candidate, and the speed-up of the choice over all-in-compute. One row per candi
 ``results/split_sweep/sweep.csv``; the report and plots are made from it.
 
 Each candidate is trained as ``hapi.train`` trains: the pipelined loader with its default
-depth of requests in flight. The warm-up fills that pipeline (as many iterations as the
-depth): with fewer, requests fetched during the warm-up would flatter the timed window.
+depth of requests in flight. The clock starts once the pipeline is full (a warm-up of as
+many iterations as the depth) and stops while it still is; a window that drains the
+pipeline would be flattered by work fetched before the clock started.
 
 Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's patches stay
-16 px), batch 8, 4 warm-up + 5 timed iterations per candidate, bandwidths 5-100 Mbit/s.
+16 px), batch 8, 4 warm-up + 4 timed iterations per candidate (+ 4 in flight when the clock
+stops), bandwidths 5-100 Mbit/s.
 A candidate 2x slower than the best so far is stopped there; candidates within 20% of the
 best are timed three times and keep the median.
 
@@ -28,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -55,25 +58,35 @@ GIVE_UP_FACTOR = 2
 # Candidates within this factor of the best are timed RETIMED_RUNS times in all.
 RETIME_WITHIN = 1.2
 RETIMED_RUNS = 3
+# The planner is asked about a long epoch, where fill and drain vanish: the sweep times the
+# steady state.
+STEADY_STATE_SAMPLES = 100_000
 
 
-def time_candidate(loader: PipelinedLoader, trainer: HeadTrainer, batches: list, warmup: int,
-                   give_up_s: float) -> tuple[float, bool]:
-    """(milliseconds per iteration in steady state, after ``warmup`` iterations; stopped early).
+def time_candidate(loader: PipelinedLoader, trainer: HeadTrainer, batches: list, warmup: int, timed: int,
+                   give_up_ms: float) -> tuple[float, bool]:
+    """(milliseconds per iteration in steady state; stopped early).
 
-    A candidate still running after ``give_up_s`` cannot be the best one: it stops there,
-    and its time per iteration so far is kept as a lower bound.
+    The clock runs from the end of iteration ``warmup`` to the end of iteration ``warmup +
+    timed``; ``batches`` holds a pipeline's depth more, so the timed window ends with the
+    pipeline still full (a drained pipeline would have fetched part of the window's work
+    before the clock started, and flatter it). A candidate that has spent ``give_up_ms``
+    per iteration cannot be the best one: it stops there, and its time so far is kept as a
+    lower bound.
     """
     first = time.perf_counter()
     started = first
-    for i, batch in enumerate(loader.epoch(batches, epoch=0)):
-        trainer.train_step(batch.features, batch.labels, batch.split)
-        now = time.perf_counter()
-        if i == warmup - 1:  # the clock covers waiting for and training each timed batch
-            started = now
-        if now - first > give_up_s:
-            return (now - first) * 1e3 / (i + 1), True
-    return (time.perf_counter() - started) * 1e3 / (len(batches) - warmup), False
+    with closing(loader.epoch(batches, epoch=0)) as stream:  # closing waits for the requests in flight
+        for i, batch in enumerate(stream):
+            trainer.train_step(batch.features, batch.labels, batch.split)
+            now = time.perf_counter()
+            if i == warmup - 1:  # the clock covers waiting for and training each timed batch
+                started = now
+            if now - first > give_up_ms / 1e3 * (warmup + timed):
+                return (now - first) * 1e3 / (i + 1), True
+            if i == warmup + timed - 1:
+                return (now - started) * 1e3 / timed, False
+    raise ValueError(f"{len(batches)} batches cannot cover {warmup} warm-up and {timed} timed iterations")
 
 
 def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list, args: argparse.Namespace,
@@ -84,33 +97,33 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     transform = TransformSpec(crop_size=args.image_size, resize_size=round(args.image_size * 256 / 224))
     template = ExtractRequest(keys=(), model=name, split=0, transform=transform, job_id="sweep")
     profile = measure_profile(model, client, template, samples, args.batch_size, profiles_dir)
-    options = candidates(profile, args.batch_size, len(samples))
+    options = candidates(profile, args.batch_size, STEADY_STATE_SAMPLES)
     chosen = choose(options)
     batches = batches_of(samples, args.batch_size)
-    def measure(c: Candidate, give_up_s: float) -> tuple[float, bool]:
+    def measure(c: Candidate, give_up_ms: float) -> tuple[float, bool]:
         source = (RawObjectSource(store, transform) if c.split == ALL_IN_COMPUTE else
                   PushdownSource([client], ExtractRequest(**{**template.__dict__, "split": c.split})))
         return time_candidate(PipelinedLoader(source, args.batch_size, args.depth), trainer, batches, args.warmup,
-                              give_up_s)
+                              args.iterations, give_up_ms)
 
     rows = []
-    best_s = float("inf")
+    best_ms = float("inf")  # per iteration
     # Most promising first, so a slow candidate can be given up on early.
     order = sorted(options, key=lambda c: c.epoch_s)
     for c in order:
         # The link alone takes bytes / bandwidth: a physical lower bound, not the cost model.
-        link_bound_s = c.bytes_per_sample * len(samples) / profile.bandwidth
-        if link_bound_s > GIVE_UP_FACTOR * best_s:
-            measured, stopped = link_bound_s * 1e3 / len(batches), True
+        link_bound_ms = c.bytes_per_sample * args.batch_size / profile.bandwidth * 1e3
+        if link_bound_ms > GIVE_UP_FACTOR * best_ms:
+            measured, stopped = link_bound_ms, True
         else:
-            measured, stopped = measure(c, GIVE_UP_FACTOR * best_s)
+            measured, stopped = measure(c, GIVE_UP_FACTOR * best_ms)
         if not stopped:
-            best_s = min(best_s, measured / 1e3 * len(batches))
+            best_ms = min(best_ms, measured)
         stage = "-" if c.split <= 0 else model.stage_names[c.split - 1]
         rows.append({"bandwidth_mbit": bandwidth, "model": name, "batch_size": args.batch_size,
                      "candidate": c.label, "split": c.split, "stage": stage,
                      "bytes_per_sample": round(c.bytes_per_sample),
-                     "predicted_ms": round(c.epoch_s * 1e3 / len(samples) * args.batch_size, 1),
+                     "predicted_ms": round(c.epoch_s * 1e3 / STEADY_STATE_SAMPLES * args.batch_size, 1),
                      "measured_ms": round(measured, 1), "runs": 0 if stopped else 1, "stopped_early": stopped,
                      "chosen": c == chosen, "bottleneck": c.bottleneck})
         logging.info("%s %s Mbit/s %-20s predicted %7.1f measured %s%7.1f ms/iter", name, bandwidth, c.label,
@@ -118,7 +131,6 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     # One run of a few iterations is noisy (and a case's first run pays for warming up):
     # the contenders for best are timed again, interleaved so that drift hits each alike,
     # and keep the median of their runs.
-    best_ms = best_s * 1e3 / len(batches)
     contenders = [(row, c) for row, c in zip(rows, order)
                   if row["runs"] and row["measured_ms"] <= RETIME_WITHIN * best_ms]
     runs = {row["candidate"]: [row["measured_ms"]] for row, _ in contenders}
@@ -162,7 +174,7 @@ def main() -> int:
     p.add_argument("--bandwidths", default="5,25,100", help="Mbit/s of the shaped link")
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--iterations", type=int, default=5, help="timed steady-state iterations per candidate")
+    p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="requests in flight, as in hapi.train")
     p.add_argument("--warmup", type=int, help="iterations before the clock starts (default: the depth)")
     p.add_argument("--quick", action="store_true", help="resnet18 and alexnet at 10 and 50 Mbit/s, 64 px")
@@ -190,7 +202,7 @@ def main() -> int:
             twohosts.TwoHosts() as hosts:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        n = args.batch_size * (args.warmup + args.iterations)
+        n = args.batch_size * (args.warmup + args.iterations + args.depth)
         storage = hosts.start_storage_host(Path(tmp), "sweep", train_per_class=-(-n // 10),
                                            daemon_args=("--torch-threads", "1", *args.daemon_args.split()))
         samples = list(storage.manifest.split("train")[:n])
