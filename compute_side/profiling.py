@@ -7,12 +7,14 @@ import logging
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from compute_side.client import Extracted, StorageClient
 from hapi.datasets import Sample
 from hapi.models import StagedModel
+from hapi.planner import storage_work_ms
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
 from hapi.wire import ExtractRequest, ProfileRequest
 
@@ -67,12 +69,45 @@ def request_overhead_ms(client: StorageClient, request: ExtractRequest, rounds: 
     return statistics.median(costs)
 
 
+def storage_contention(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
+                       profile: Profile, depth: int = 4, rounds: int = 8) -> float:
+    """How much slower the node works with requests overlapping than its parts timed alone.
+
+    Its fetches, decodes and forwards share its cores in training (the next request's
+    objects are read while this one's prefix runs), which the one-at-a-time profile cannot
+    see. A burst of ``rounds`` requests, ``depth`` in flight, at the split that ships the
+    fewest bytes keeps the node busy; from the second reply on, replies leave at the node's
+    pace. 1.0 when even those bytes would hold the link longer than half the node's work.
+    """
+    split = min(range(1, profile.freeze_index + 1), key=lambda s: (profile.output_elements[s - 1], -s))
+    keys = tuple(s.key for s in samples)
+    alone_ms = storage_work_ms(profile, split) * len(keys)
+    link_ms = profile.output_elements[split - 1] * 4 * len(keys) / profile.bandwidth * 1e3
+    if link_ms > alone_ms / 2:
+        log.info("node contention not measured: the link would pace the burst (%.0f ms vs %.0f ms a request)",
+                 link_ms, alone_ms)
+        return 1.0
+    request = replace(template, keys=keys, split=split, dtype="float32")
+
+    def finished() -> float:
+        client.extract(request)
+        return time.perf_counter()
+
+    with ThreadPoolExecutor(depth) as pool:
+        done = sorted(pool.map(lambda _: finished(), range(rounds)))
+    paced_ms = (done[-1] - done[1]) * 1e3 / (rounds - 2)
+    log.info("node contention at split %d: %.0f ms a request overlapped, %.0f ms timed alone",
+             split, paced_ms, alone_ms)
+    return paced_ms / alone_ms
+
+
 def measure_profile(model: StagedModel, client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
                     batch_size: int, profiles_dir: Path, refresh: bool = False) -> Profile:
     """Both tiers' stage times (from a saved profile when one matches) and a fresh link probe.
 
     Stage times depend on the hardware, model and input size, and are saved under
-    ``profiles_dir``; the bandwidth and the raw object size change, and are measured anew.
+    ``profiles_dir``; the bandwidth, the node's contention and the raw object size change,
+    and are measured anew.
     """
     input_size = template.transform.crop_size
     probes = probe_link(client, template, samples[:8])
@@ -82,17 +117,17 @@ def measure_profile(model: StagedModel, client: StorageClient, template: Extract
     node = client.url
     saved = profiles_dir / f"{model.spec.name}-{input_size}-b{batch_size}-{_digest(node, compute_host)}.json"
     if saved.is_file() and not refresh:
-        profile = Profile.from_json(saved.read_text())
+        profile = replace(Profile.from_json(saved.read_text()), raw_bytes=raw_bytes, bandwidth=bandwidth)
         log.info("stage times from %s", saved)
-        return replace(profile, raw_bytes=raw_bytes, bandwidth=bandwidth)
-    storage = storage_tier_times(client, template, batch_size, probes)
-    compute = profile_tier(model, input_size, batch_size, model.spec.freeze_index, with_training=True)
-    profile = Profile(model.spec.name, input_size, model.stage_names, model.spec.freeze_index,
-                      output_elements(model, input_size), storage, compute, raw_bytes, bandwidth)
-    profiles_dir.mkdir(parents=True, exist_ok=True)
-    saved.write_text(profile.to_json())
-    log.info("profile saved to %s", saved)
-    return profile
+    else:
+        storage = storage_tier_times(client, template, batch_size, probes)
+        compute = profile_tier(model, input_size, batch_size, model.spec.freeze_index, with_training=True)
+        profile = Profile(model.spec.name, input_size, model.stage_names, model.spec.freeze_index,
+                          output_elements(model, input_size), storage, compute, raw_bytes, bandwidth)
+        profiles_dir.mkdir(parents=True, exist_ok=True)
+        saved.write_text(profile.to_json())
+        log.info("profile saved to %s", saved)
+    return replace(profile, storage_contention=storage_contention(client, template, samples[:batch_size], profile))
 
 
 def _digest(*parts: str) -> str:

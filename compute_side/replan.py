@@ -17,10 +17,20 @@ from hapi.profile import Profile
 
 log = logging.getLogger(__name__)
 
-# The node's work on a request, and its wait behind other jobs' requests: a busy node is
-# slower storage. A wait behind the job's own requests is neither storage nor transfer.
-_STORAGE_TIMINGS = ("shared_wait_ms", "fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
+# What the node reports of a request: its work, and its waits (behind its own job's requests
+# or, the share in shared_wait_ms, behind other jobs').
+_WORK_TIMINGS = ("fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
 _WAIT_TIMINGS = ("queue_ms", "turn_wait_ms")
+
+
+def node_busy_ms(timings: dict[str, float]) -> float:
+    """The node's time per request in steady state, as the planner costs it: a request's
+    objects are fetched while the one before runs its prefix (so the slower of the two
+    paces the node), plus its wait behind other jobs' requests (a busy node is slower
+    storage). A wait behind the job's own requests is neither storage nor link."""
+    turn = timings.get("decode_wait_ms", 0.0) + timings.get("forward_ms", 0.0)
+    return (timings.get("shared_wait_ms", 0.0) + max(timings.get("fetch_ms", 0.0), turn)
+            + timings.get("encode_ms", 0.0))
 
 
 @dataclass
@@ -53,13 +63,12 @@ class Replanner:
             return None  # cut before the last switch: it measures the old plan
         w = self._window
         n = len(batch.keys)
-        storage_ms = sum(batch.timings.get(name, 0.0) for name in _STORAGE_TIMINGS)
         if self.chosen.split == ALL_IN_COMPUTE:
             transfer_ms, storage_ms = batch.timings.get("fetch_ms", 0.0), 0.0
         else:
-            own_wait_ms = sum(batch.timings.get(name, 0.0) for name in _WAIT_TIMINGS) \
-                - batch.timings.get("shared_wait_ms", 0.0)
-            transfer_ms = max(batch.elapsed_ms - storage_ms - own_wait_ms, 1e-3)
+            storage_ms = node_busy_ms(batch.timings)
+            at_node_ms = sum(batch.timings.get(name, 0.0) for name in _WORK_TIMINGS + _WAIT_TIMINGS)
+            transfer_ms = max(batch.elapsed_ms - at_node_ms, 1e-3)
         w.samples += n
         w.storage_ms += storage_ms
         w.wire_bytes += batch.wire_bytes

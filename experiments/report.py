@@ -21,6 +21,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
+from experiments.split_sweep import GIVE_UP_FACTOR, RETIME_WITHIN  # noqa: E402
+
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 REPORT = HERE / "REPORT.md"
@@ -122,6 +124,7 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
     plt.close(fig)
 
     timed = [r for r in rows if r["stopped_early"] != "True"]
+    short, long = min(int(r["timed_iterations"]) for r in timed), max(int(r["timed_iterations"]) for r in timed)
     errors = sorted(abs(float(r["predicted_ms"]) - float(r["measured_ms"])) / float(r["measured_ms"]) for r in timed)
     plot_predictions(timed, folder / "predictions.png")
     within = sum(c["within"] for c in per_case.values())
@@ -142,10 +145,12 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         f"{within / len(per_case):.0%}** of (model, bandwidth) cases (paper: 86.8%; our goal: 95%); the choice "
         f"trained {sum(regret) / len(regret):.1%} slower than the best on average, {regret[-1]:.0%} at worst. "
         f"Planner prediction error per candidate ({len(timed)} timed to the end): median "
-        f"{errors[len(errors) // 2]:.0%}, 90th percentile {errors[int(len(errors) * 0.9)]:.0%}. Candidates "
-        "slower than 3x the best so far were stopped early (or not started when their bytes alone would take "
-        "that long on the link): their time is a lower bound, and a ratio built on one is marked ≥ or ≤. "
-        "Candidates within 25% of the best were timed three times and keep the median.", "",
+        f"{errors[len(errors) // 2]:.0%}, 90th percentile {errors[int(len(errors) * 0.9)]:.0%}. Every candidate "
+        f"was first timed over {short} iterations; candidates slower than {GIVE_UP_FACTOR}x the best so far were "
+        "stopped early (or not started when their bytes alone would take that long on the link): their time is "
+        "a lower bound, and a ratio built on one is marked ≥ or ≤. The candidates within "
+        f"{RETIME_WITHIN - 1:.0%} of the best, and the choice, were then timed over {long} iterations, and keep "
+        "that time.", "",
         "![throughput](results/split_sweep/throughput.png)", "",
         "Training throughput against bandwidth, normalised by what all-in-compute would consume at full "
         "compute speed (its samples/s on the fastest link times the raw bytes per sample).", "",

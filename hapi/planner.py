@@ -4,7 +4,8 @@ Storage compute, transfer and compute-side training work on different batches at
 same time, so in steady state an iteration costs its slowest stage, not their sum; the
 first batch pays for all three (fill) before the pipeline runs. Per sample:
 
-    storage(s)  = fetch + decode + forward of stages [0, s) on the storage tier
+    storage(s)  = (fetch + decode + forward of stages [0, s) on the storage tier)
+                  x the node's measured contention under overlapping requests
     transfer(s) = bytes of stage s-1's output in the wire dtype / bandwidth
     compute(s)  = forward of frozen stages [s, freeze) + train step of [freeze, end)
                   + a request's fixed cost / samples per request
@@ -47,6 +48,12 @@ class Candidate:
         return "all-in-compute" if self.split == ALL_IN_COMPUTE else f"split {self.split} {self.dtype}"
 
 
+def storage_work_ms(profile: Profile, split: int) -> float:
+    """The storage node's work per sample for a split, from its parts timed one at a time."""
+    storage = profile.storage
+    return storage.fetch_ms + storage.decode_ms + sum(storage.forward_ms[:split])
+
+
 def _compute_memory(profile: Profile, split: int, batch_size: int) -> float:
     """Peak bytes for one batch on the compute tier: frozen stages keep only a consecutive
     (input, output) pair alive; trainable ones keep every activation, and gradients double it."""
@@ -72,7 +79,7 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
-        storage_ms = storage.fetch_ms + storage.decode_ms + sum(storage.forward_ms[:split])
+        storage_ms = storage_work_ms(profile, split) * profile.storage_contention
         compute_ms = frozen_here + compute.train_ms + storage.request_ms / request_size
     transfer_ms = per_sample / profile.bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)

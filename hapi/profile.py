@@ -134,6 +134,9 @@ class Profile:
     compute: TierTimes
     raw_bytes: float  # mean encoded object size per sample
     bandwidth: float  # bytes/s between the tiers
+    # The storage node's work per request with requests overlapping, as in training (its
+    # fetches, decodes and forwards share its cores), over the sum of its parts timed alone.
+    storage_contention: float = 1.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"link {profile.bandwidth * 8 / 1e6:.1f} Mbit/s; raw objects {profile.raw_bytes / 1e3:.1f} KB/sample; "
           f"decode storage {profile.storage.decode_ms:.2f} / compute {profile.compute.decode_ms:.2f} ms/sample; "
           f"object fetch {profile.storage.fetch_ms:.2f} ms/sample; request {profile.storage.request_ms:.1f} ms; "
-          f"training step {profile.compute.train_ms:.2f} ms/sample")
+          f"training step {profile.compute.train_ms:.2f} ms/sample; the node works {profile.storage_contention:.2f}x "
+          "as long with requests overlapping")
     print(f"{'stage':4s} {'name':20s} {'output KB':>10s} {'storage ms':>11s} {'compute ms':>11s}   (per sample)")
     for i in range(profile.freeze_index):
         print(f"{i:4d} {profile.stage_names[i]:20s} {profile.output_elements[i] * 4 / 1e3:10.1f} "

@@ -18,8 +18,10 @@ import torch
 from compute_side import daemon_process
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
+from compute_side.profiling import measure_profile, storage_contention
 from hapi.datasets import Manifest, make_synthetic
 from hapi.models import build_model
+from hapi.profile import Profile, TierTimes
 from hapi.store import FileStore
 from hapi.transforms import TransformSpec, preprocess
 from hapi.wire import ExtractRequest
@@ -216,3 +218,23 @@ def test_daemon_that_cannot_start_reports_its_log(spawned, tmp_path: Path) -> No
             pytest.fail("a daemon for an ftp:// store must not come up")
     assert "ftp://nowhere/x" in str(caught.value)  # the log tail says why
     assert not _group_alive(spawned[0].pid)
+
+
+def test_profile_times_the_node_with_requests_overlapping(client: StorageClient, node: Node, tmp_path: Path) -> None:
+    model = build_model("resnet18", input_size=SPEC.crop_size)
+    template = ExtractRequest(keys=(), model="resnet18", split=0, transform=SPEC)
+    samples = node.manifest.split("train")[:4]
+    profile = measure_profile(model, client, template, samples, 4, tmp_path)
+    # A ratio of paced to lone work: a wrong burst (counting the fill, or every reply
+    # as one interval) lands far outside this on any machine.
+    assert 0.3 < profile.storage_contention < 10
+    saved = Profile.from_json(next(tmp_path.glob("*.json")).read_text())
+    assert saved.storage_contention == 1.0  # measured anew each time, like the link, never saved
+    assert measure_profile(model, client, template, samples, 4, tmp_path).storage_contention != 1.0
+
+
+def test_contention_is_not_measured_where_the_link_would_pace_the_burst(node: Node, tmp_path: Path) -> None:
+    tier = TierTimes("toy", 4, 1, 1.0, (1.0, 1.0))
+    profile = Profile("resnet18", 32, ("a", "b"), 2, (100, 10), tier, tier, 1000.0, bandwidth=1.0)  # a byte/s
+    assert storage_contention(None, ExtractRequest(keys=(), model="resnet18", split=0, transform=SPEC),
+                              node.manifest.split("train")[:4], profile) == 1.0

@@ -1,5 +1,7 @@
 """The cost model on synthetic profiles whose best split is known by construction."""
 
+from dataclasses import replace
+
 import pytest
 
 from hapi.planner import ALL_IN_COMPUTE, candidates, choose, evaluate, explain, summary
@@ -41,6 +43,15 @@ def test_a_slow_compute_tier_pushes_every_frozen_stage_down() -> None:
     p = profile(bandwidth=1e9, storage_ms=0.1, compute_ms=10.0)
     best = choose(candidates(p, 32, 1000))
     assert best.split == 4 and best.compute_ms == pytest.approx(0.5)
+
+
+def test_a_node_slowed_by_overlapping_requests_ships_more_bytes_instead() -> None:
+    p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
+    assert choose(candidates(p, 32, 1000)).split == 3  # storage 100 ms, network 8 ms, compute 40.5 ms
+    contended = replace(p, storage_contention=2.0)
+    assert evaluate(contended, 3, "float32", 32, 1000).storage_ms == pytest.approx(200.0)
+    best = choose(candidates(contended, 32, 1000))
+    assert best.split == 2 and best.bottleneck == "storage"  # 2 x 70 ms beats 2 x 100 ms, bytes or not
 
 
 def test_epoch_time_is_the_pipelined_sum() -> None:

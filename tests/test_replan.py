@@ -54,6 +54,20 @@ def test_queueing_behind_the_jobs_own_requests_is_neither_storage_nor_link() -> 
     assert abs(replanner.profile.bandwidth - 1e6) / 1e6 < 0.01
 
 
+def test_a_fetch_overlapped_with_the_previous_prefix_is_not_counted_twice() -> None:
+    p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
+    chosen = choose(candidates(p, 32, 1000))
+    planned = evaluate(p, chosen.split, "float32", 32, 1000)
+    assert chosen.bottleneck == "storage"
+    # The node reports its fetch and its prefix apart; in steady state the next request's
+    # fetch runs under this one's prefix, so the node's pace is the slower of the two.
+    work = planned.storage_ms * 32
+    batch = _batch(chosen.split, 32, int(planned.bytes_per_sample * 32), work,
+                   0.9 * work + work + planned.transfer_ms * 32, fetch_ms=0.9 * work)
+    replanner = Replanner(p, chosen, 32, 1000, ("float32",), every=2)
+    assert all(replanner.observe(batch) is None for _ in range(6))
+
+
 def test_a_node_busy_with_other_jobs_is_slower_storage() -> None:
     p = profile(bandwidth=1e9, storage_ms=0.1, compute_ms=3.0)
     chosen = choose(candidates(p, 32, 1000))
