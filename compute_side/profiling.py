@@ -16,7 +16,7 @@ from hapi.datasets import Sample
 from hapi.models import StagedModel
 from hapi.planner import storage_work_ms
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
-from hapi.wire import ExtractRequest, ProfileRequest
+from hapi.wire import WIRE_DTYPES, ExtractRequest, ProfileRequest
 
 log = logging.getLogger(__name__)
 
@@ -76,18 +76,19 @@ def storage_contention(client: StorageClient, template: ExtractRequest, samples:
     Its fetches, decodes and forwards share its cores in training (the next request's
     objects are read while this one's prefix runs), which the one-at-a-time profile cannot
     see. A burst of ``rounds`` requests, ``depth`` in flight, at the split that ships the
-    fewest bytes keeps the node busy; from the second reply on, replies leave at the node's
-    pace. 1.0 when even those bytes would hold the link longer than half the node's work.
+    fewest bytes (as bfloat16, half of them) keeps the node busy; from the second reply on,
+    replies leave at the node's pace. 1.0 when the link would set that pace instead.
     """
     split = min(range(1, profile.freeze_index + 1), key=lambda s: (profile.output_elements[s - 1], -s))
     keys = tuple(s.key for s in samples)
     alone_ms = storage_work_ms(profile, split) * len(keys)
-    link_ms = profile.output_elements[split - 1] * 4 * len(keys) / profile.bandwidth * 1e3
-    if link_ms > alone_ms / 2:
+    wire = "bfloat16"
+    link_ms = profile.output_elements[split - 1] * WIRE_DTYPES[wire].itemsize * len(keys) / profile.bandwidth * 1e3
+    if link_ms > alone_ms * 0.8:
         log.info("node contention not measured: the link would pace the burst (%.0f ms vs %.0f ms a request)",
                  link_ms, alone_ms)
         return 1.0
-    request = replace(template, keys=keys, split=split, dtype="float32")
+    request = replace(template, keys=keys, split=split, dtype=wire)
 
     def finished() -> float:
         client.extract(request)
