@@ -130,10 +130,18 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
                      rows[-1]["predicted_ms"], ">" if stopped else " ", measured)
     # A short window is noisy: with requests sharing the link, how much of the window's
     # work was already on its way when the clock started varies by up to the pipeline's
-    # depth. The contenders for best, and the choice, are timed again over a long window,
-    # which keeps that error small, and keep that time.
-    for row, c in zip(rows, order):
-        if row["timed_iterations"] and (row["measured_ms"] <= RETIME_WITHIN * best_ms or row["chosen"]):
+    # depth. The choice, and every candidate within reach of the best so far, are timed
+    # again over a long window and keep that time, until the best and all within reach of
+    # it have been (a flattered short time must not decide who is re-timed).
+    retimed: set[str] = set()
+    while True:
+        best_ms = min(row["measured_ms"] for row in rows if row["timed_iterations"])
+        again = [(row, c) for row, c in zip(rows, order) if row["timed_iterations"] and c.label not in retimed
+                 and (row["measured_ms"] <= RETIME_WITHIN * best_ms or row["chosen"])]
+        if not again:
+            break
+        for row, c in again:
+            retimed.add(c.label)
             screened = row["measured_ms"]
             row.update(measured_ms=round(measure(c, args.long_iterations)[0], 1), timed_iterations=args.long_iterations)
             logging.info("%s %s Mbit/s %-20s short window %.1f, long window %.1f ms/iter", name, bandwidth,
