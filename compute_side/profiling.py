@@ -70,15 +70,18 @@ def request_overhead_ms(client: StorageClient, request: ExtractRequest, rounds: 
 
 
 def storage_contention(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
-                       profile: Profile, depth: int = 4, rounds: int = 8) -> float:
+                       profile: Profile, depth: int, rounds: int = 8) -> float | None:
     """How much slower the node works with requests overlapping than its parts timed alone.
 
     Its fetches, decodes and forwards share its cores in training (the next request's
     objects are read while this one's prefix runs), which the one-at-a-time profile cannot
     see. A burst of ``rounds`` requests, ``depth`` in flight, at the split that ships the
     fewest bytes (as bfloat16, half of them) keeps the node busy; from the second reply on,
-    replies leave at the node's pace. 1.0 when the link would set that pace instead.
+    replies leave at the node's pace. None when the link would set that pace instead, or
+    when the run keeps at most one request in flight (nothing overlaps).
     """
+    if depth < 2:
+        return None
     split = min(range(1, profile.freeze_index + 1), key=lambda s: (profile.output_elements[s - 1], -s))
     keys = tuple(s.key for s in samples)
     alone_ms = storage_work_ms(profile, split) * len(keys)
@@ -87,7 +90,7 @@ def storage_contention(client: StorageClient, template: ExtractRequest, samples:
     if link_ms > alone_ms * 0.8:
         log.info("node contention not measured: the link would pace the burst (%.0f ms vs %.0f ms a request)",
                  link_ms, alone_ms)
-        return 1.0
+        return None
     request = replace(template, keys=keys, split=split, dtype=wire)
 
     def finished() -> float:
@@ -103,12 +106,12 @@ def storage_contention(client: StorageClient, template: ExtractRequest, samples:
 
 
 def measure_profile(model: StagedModel, client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
-                    batch_size: int, profiles_dir: Path, refresh: bool = False) -> Profile:
+                    batch_size: int, profiles_dir: Path, depth: int, refresh: bool = False) -> Profile:
     """Both tiers' stage times (from a saved profile when one matches) and a fresh link probe.
 
     Stage times depend on the hardware, model and input size, and are saved under
     ``profiles_dir``; the bandwidth, the node's contention and the raw object size change,
-    and are measured anew.
+    and are measured anew; the contention with ``depth`` requests in flight, as the run will.
     """
     input_size = template.transform.crop_size
     probes = probe_link(client, template, samples[:8])
@@ -128,7 +131,8 @@ def measure_profile(model: StagedModel, client: StorageClient, template: Extract
         profiles_dir.mkdir(parents=True, exist_ok=True)
         saved.write_text(profile.to_json())
         log.info("profile saved to %s", saved)
-    return replace(profile, storage_contention=storage_contention(client, template, samples[:batch_size], profile))
+    return replace(profile, storage_contention=storage_contention(client, template, samples[:batch_size], profile,
+                                                                  depth))
 
 
 def _digest(*parts: str) -> str:

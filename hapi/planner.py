@@ -5,7 +5,7 @@ same time, so in steady state an iteration costs its slowest stage, not their su
 first batch pays for all three (fill) before the pipeline runs. Per sample:
 
     storage(s)  = (fetch + decode + forward of stages [0, s) on the storage tier)
-                  x the node's measured contention under overlapping requests
+                  x the node's measured contention under overlapping requests (1 unmeasured)
     transfer(s) = bytes of stage s-1's output in the wire dtype / bandwidth
     compute(s)  = forward of frozen stages [s, freeze) + train step of [freeze, end)
                   + a request's fixed cost / samples per request
@@ -79,7 +79,7 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
-        storage_ms = storage_work_ms(profile, split) * profile.storage_contention
+        storage_ms = storage_work_ms(profile, split) * (profile.storage_contention or 1.0)
         compute_ms = frozen_here + compute.train_ms + storage.request_ms / request_size
     transfer_ms = per_sample / profile.bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)

@@ -135,8 +135,9 @@ class Profile:
     raw_bytes: float  # mean encoded object size per sample
     bandwidth: float  # bytes/s between the tiers
     # The storage node's work per request with requests overlapping, as in training (its
-    # fetches, decodes and forwards share its cores), over the sum of its parts timed alone.
-    storage_contention: float = 1.0
+    # fetches, decodes and forwards share its cores), over the sum of its parts timed alone;
+    # None where it could not be measured (the link, not the node, would pace a burst).
+    storage_contention: float | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     from compute_side.client import StorageNodeError
     from compute_side.profiling import measure_profile
     from hapi.models import build_model
-    from hapi.train import default_cache_dir
+    from hapi.train import DEFAULT_DEPTH, default_cache_dir
     from hapi.wire import ExtractRequest
 
     parser = argparse.ArgumentParser(prog="python -m hapi.profile", description=main.__doc__)
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-size", type=int)
     parser.add_argument("--batch-size", type=int, default=16, help="batch size the stages are timed at")
     parser.add_argument("--profiles-dir", type=Path, help="default: CACHE/profiles")
+    parser.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
+                        help="requests in flight while the node's contention is measured, as in hapi.train")
     deployment.add_arguments(parser, default_cache_dir())
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -181,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                   job_id="profile")
         with deployment.storage_nodes(args, store_url) as clients:
             profile = measure_profile(model, clients[0], template, manifest.split("train"), args.batch_size,
-                                      args.profiles_dir or args.cache_dir / "profiles", refresh=True)
+                                      args.profiles_dir or args.cache_dir / "profiles", args.depth, refresh=True)
     except (StorageNodeError, ValueError, LookupError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -189,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"link {profile.bandwidth * 8 / 1e6:.1f} Mbit/s; raw objects {profile.raw_bytes / 1e3:.1f} KB/sample; "
           f"decode storage {profile.storage.decode_ms:.2f} / compute {profile.compute.decode_ms:.2f} ms/sample; "
           f"object fetch {profile.storage.fetch_ms:.2f} ms/sample; request {profile.storage.request_ms:.1f} ms; "
-          f"training step {profile.compute.train_ms:.2f} ms/sample; the node works {profile.storage_contention:.2f}x "
-          "as long with requests overlapping")
+          f"training step {profile.compute.train_ms:.2f} ms/sample; with requests overlapping the node works "
+          + (f"{profile.storage_contention:.2f}x as long" if profile.storage_contention is not None
+             else "(not measured: the link would pace a burst)"))
     print(f"{'stage':4s} {'name':20s} {'output KB':>10s} {'storage ms':>11s} {'compute ms':>11s}   (per sample)")
     for i in range(profile.freeze_index):
         print(f"{i:4d} {profile.stage_names[i]:20s} {profile.output_elements[i] * 4 / 1e3:10.1f} "

@@ -184,7 +184,7 @@ def plan(args: argparse.Namespace, model: StagedModel, client: StorageClient, te
          samples: tuple[Sample, ...]) -> tuple[Profile, list[Candidate], Candidate]:
     """Profile both tiers (stage times cached per hardware) and choose the split."""
     profile = measure_profile(model, client, template, samples, min(args.batch_size, PROFILE_BATCH),
-                              args.cache_dir / "profiles", refresh=args.refresh_profile)
+                              args.cache_dir / "profiles", args.depth, refresh=args.refresh_profile)
     options = candidates(profile, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
     return profile, options, choose(options)
 
