@@ -12,10 +12,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from compute_side.client import Extracted, StorageClient
+from compute_side.sources import RawObjectSource
 from hapi.datasets import Sample
 from hapi.models import StagedModel
 from hapi.planner import storage_work_ms
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
+from hapi.store import ObjectStore
+from hapi.transforms import TransformSpec
 from hapi.wire import WIRE_DTYPES, ExtractRequest, ProfileRequest
 
 log = logging.getLogger(__name__)
@@ -69,6 +72,13 @@ def request_overhead_ms(client: StorageClient, request: ExtractRequest, rounds: 
     return statistics.median(costs)
 
 
+def raw_fetch_ms(store: ObjectStore, transform: TransformSpec, samples: Sequence[Sample], rounds: int = 3) -> float:
+    """All-in-compute's object reads from this tier, per sample: a batch read as its loader
+    reads one (concurrent GETs across the link), median over ``rounds``."""
+    source = RawObjectSource(store, transform)
+    return statistics.median(source.fetch(samples, epoch=0).timings["fetch_ms"] for _ in range(rounds)) / len(samples)
+
+
 def storage_contention(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
                        profile: Profile, depth: int, rounds: int = 8) -> float | None:
     """How much slower the node works with requests overlapping than its parts timed alone.
@@ -105,13 +115,15 @@ def storage_contention(client: StorageClient, template: ExtractRequest, samples:
     return paced_ms / alone_ms
 
 
-def measure_profile(model: StagedModel, client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
-                    batch_size: int, profiles_dir: Path, depth: int, refresh: bool = False) -> Profile:
+def measure_profile(model: StagedModel, client: StorageClient, store: ObjectStore, template: ExtractRequest,
+                    samples: Sequence[Sample], batch_size: int, profiles_dir: Path, depth: int,
+                    refresh: bool = False) -> Profile:
     """Both tiers' stage times (from a saved profile when one matches) and a fresh link probe.
 
     Stage times depend on the hardware, model and input size, and are saved under
-    ``profiles_dir``; the bandwidth, the node's contention and the raw object size change,
-    and are measured anew; the contention with ``depth`` requests in flight, as the run will.
+    ``profiles_dir``; the bandwidth, the node's contention, the compute tier's reads from
+    ``store`` and the raw object size change, and are measured anew; the contention with
+    ``depth`` requests in flight, as the run will.
     """
     input_size = template.transform.crop_size
     probes = probe_link(client, template, samples[:8])
@@ -131,8 +143,9 @@ def measure_profile(model: StagedModel, client: StorageClient, template: Extract
         profiles_dir.mkdir(parents=True, exist_ok=True)
         saved.write_text(profile.to_json())
         log.info("profile saved to %s", saved)
-    return replace(profile, storage_contention=storage_contention(client, template, samples[:batch_size], profile,
-                                                                  depth))
+    reads_ms = raw_fetch_ms(store, template.transform, samples[:batch_size])
+    return replace(profile, compute=replace(profile.compute, fetch_ms=reads_ms),
+                   storage_contention=storage_contention(client, template, samples[:batch_size], profile, depth))
 
 
 def _digest(*parts: str) -> str:

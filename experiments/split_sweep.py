@@ -102,7 +102,7 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     trainer = HeadTrainer(model, TrainConfig())
     transform = TransformSpec(crop_size=args.image_size, resize_size=round(args.image_size * 256 / 224))
     template = ExtractRequest(keys=(), model=name, split=0, transform=transform, job_id="sweep")
-    profile = measure_profile(model, client, template, samples, args.batch_size, profiles_dir, args.depth)
+    profile = measure_profile(model, client, store, template, samples, args.batch_size, profiles_dir, args.depth)
     options = candidates(profile, args.batch_size, STEADY_STATE_SAMPLES)
     chosen = choose(options)
     batches = batches_of(samples, args.batch_size)

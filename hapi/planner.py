@@ -74,7 +74,9 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
     # the compute tier (client), spread over the samples of a request.
     if split == ALL_IN_COMPUTE:
         per_sample = profile.raw_bytes
-        storage_ms = storage.fetch_ms
+        # The objects are read from the compute tier, across the link: slower than the
+        # node's reads next to the store (a round trip and the client's work per object).
+        storage_ms = compute.fetch_ms or storage.fetch_ms
         compute_ms = compute.decode_ms + frozen_here + compute.train_ms
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]

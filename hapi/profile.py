@@ -33,7 +33,9 @@ class TierTimes:
     decode_ms: float  # fetch excluded: JPEG decode + transform
     forward_ms: tuple[float, ...]  # per stage, eval mode, no gradients
     train_ms: float = 0.0  # forward + backward + step of the trainable stages (compute tier only)
-    fetch_ms: float = 0.0  # reading an object from the store on this host (storage tier only)
+    # Reading an object from the store: on the storage tier, the node's reads next to it; on
+    # the compute tier, all-in-compute's reads across the link, as its loader makes them.
+    fetch_ms: float = 0.0
     request_ms: float = 0.0  # fixed cost of one request to the storage tier, as the client sees it
 
 
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from compute_side.client import StorageNodeError
     from compute_side.profiling import measure_profile
     from hapi.models import build_model
+    from hapi.store import open_store
     from hapi.train import DEFAULT_DEPTH, default_cache_dir
     from hapi.wire import ExtractRequest
 
@@ -183,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                                   transform=TransformSpec(crop_size=size, resize_size=round(size * 256 / 224)),
                                   job_id="profile")
         with deployment.storage_nodes(args, store_url) as clients:
-            profile = measure_profile(model, clients[0], template, manifest.split("train"), args.batch_size,
+            profile = measure_profile(model, clients[0], open_store(store_url, args.endpoint_url), template,
+                                      manifest.split("train"), args.batch_size,
                                       args.profiles_dir or args.cache_dir / "profiles", args.depth, refresh=True)
     except (StorageNodeError, ValueError, LookupError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -191,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{profile.model} at {size} px; storage: {profile.storage.host}; compute: {profile.compute.host}")
     print(f"link {profile.bandwidth * 8 / 1e6:.1f} Mbit/s; raw objects {profile.raw_bytes / 1e3:.1f} KB/sample; "
           f"decode storage {profile.storage.decode_ms:.2f} / compute {profile.compute.decode_ms:.2f} ms/sample; "
-          f"object fetch {profile.storage.fetch_ms:.2f} ms/sample; request {profile.storage.request_ms:.1f} ms; "
+          f"object fetch {profile.storage.fetch_ms:.2f} ms/sample on the node, {profile.compute.fetch_ms:.2f} across "
+          f"the link; request {profile.storage.request_ms:.1f} ms; "
           f"training step {profile.compute.train_ms:.2f} ms/sample; with requests overlapping the node works "
           + (f"{profile.storage_contention:.2f}x as long" if profile.storage_contention is not None
              else "(not measured: the link would pace a burst)"))

@@ -180,10 +180,10 @@ class Sources:
                 PushdownSource(self.clients, replace(train, transform=self.eval_transform)))
 
 
-def plan(args: argparse.Namespace, model: StagedModel, client: StorageClient, template: ExtractRequest,
-         samples: tuple[Sample, ...]) -> tuple[Profile, list[Candidate], Candidate]:
+def plan(args: argparse.Namespace, model: StagedModel, client: StorageClient, store: ObjectStore,
+         template: ExtractRequest, samples: tuple[Sample, ...]) -> tuple[Profile, list[Candidate], Candidate]:
     """Profile both tiers (stage times cached per hardware) and choose the split."""
-    profile = measure_profile(model, client, template, samples, min(args.batch_size, PROFILE_BATCH),
+    profile = measure_profile(model, client, store, template, samples, min(args.batch_size, PROFILE_BATCH),
                               args.cache_dir / "profiles", args.depth, refresh=args.refresh_profile)
     options = candidates(profile, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
     return profile, options, choose(options)
@@ -237,9 +237,10 @@ def main(args: argparse.Namespace) -> int:
         stack.callback(metrics.close)
         clients = ([] if fixed_split == ALL_IN_COMPUTE else
                    stack.enter_context(deployment.storage_nodes(args, store_url)))
+        store = open_store(store_url, args.endpoint_url)
         replanner = None
         if fixed_split is None:
-            profile, options, chosen = plan(args, model, clients[0], template, train_samples)
+            profile, options, chosen = plan(args, model, clients[0], store, template, train_samples)
             print(summary(profile, chosen))
             if args.explain:
                 print(explain(profile, options, chosen))
@@ -249,7 +250,7 @@ def main(args: argparse.Namespace) -> int:
                                       request_size=args.request_size)
         else:
             split, dtype = fixed_split, args.dtype
-        sources = Sources(clients, open_store(store_url, args.endpoint_url), template, eval_transform)
+        sources = Sources(clients, store, template, eval_transform)
         train_loader = PipelinedLoader(sources.build(split, dtype)[0], args.request_size, args.depth)
         val_loader = PipelinedLoader(sources.build(split, dtype)[1], args.request_size, args.depth)
         print(f"HAPI: {args.model}, {describe_split(model, split)} (freeze index {model.spec.freeze_index}); "

@@ -224,13 +224,16 @@ def test_profile_times_the_node_with_requests_overlapping(client: StorageClient,
     model = build_model("resnet18", input_size=SPEC.crop_size)
     template = ExtractRequest(keys=(), model="resnet18", split=0, transform=SPEC)
     samples = node.manifest.split("train")[:4]
-    profile = measure_profile(model, client, template, samples, 4, tmp_path, depth=4)
+    profile = measure_profile(model, client, node.store, template, samples, 4, tmp_path, depth=4)
     # A ratio of paced to lone work: a wrong burst (counting the fill, or every reply
     # as one interval) lands far outside this on any machine.
     assert 0.3 < profile.storage_contention < 10
+    assert profile.compute.fetch_ms > 0  # all-in-compute's reads, from this tier
     saved = Profile.from_json(next(tmp_path.glob("*.json")).read_text())
-    assert saved.storage_contention is None  # measured anew each time, like the link, never saved
-    assert measure_profile(model, client, template, samples, 4, tmp_path, depth=4).storage_contention is not None
+    # Measured anew each time, like the link, never saved.
+    assert saved.storage_contention is None and saved.compute.fetch_ms == 0
+    again = measure_profile(model, client, node.store, template, samples, 4, tmp_path, depth=4)
+    assert again.storage_contention is not None and again.compute.fetch_ms > 0
 
 
 def test_contention_is_not_measured_where_the_link_would_pace_the_burst(node: Node) -> None:

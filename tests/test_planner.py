@@ -39,6 +39,13 @@ def test_a_fast_network_and_a_busy_storage_node_keep_work_on_the_compute_tier() 
     assert choose(candidates(p, 32, 1000)).split == ALL_IN_COMPUTE
 
 
+def test_all_in_compute_reads_objects_at_the_pace_the_compute_tier_measured() -> None:
+    p = profile(bandwidth=1e12, storage_ms=50.0, compute_ms=0.1, decode_ms=0.5, storage_decode_ms=20.0)
+    slow_reads = replace(p, compute=replace(p.compute, fetch_ms=30.0))  # a round trip per object, across the link
+    assert evaluate(slow_reads, ALL_IN_COMPUTE, "float32", 32, 1000).storage_ms == pytest.approx(30.0)
+    assert choose(candidates(slow_reads, 32, 1000)).split == 0  # the node reads and decodes in 20 ms
+
+
 def test_a_slow_compute_tier_pushes_every_frozen_stage_down() -> None:
     p = profile(bandwidth=1e9, storage_ms=0.1, compute_ms=10.0)
     best = choose(candidates(p, 32, 1000))
