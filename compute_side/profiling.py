@@ -12,13 +12,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from compute_side.client import Extracted, StorageClient
-from compute_side.sources import RawObjectSource
-from hapi.datasets import Sample
+from compute_side.sources import IO_THREADS
+from hapi.datasets import Sample, read_samples
 from hapi.models import StagedModel
 from hapi.planner import storage_work_ms
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
 from hapi.store import ObjectStore
-from hapi.transforms import TransformSpec
 from hapi.wire import WIRE_DTYPES, ExtractRequest, ProfileRequest
 
 log = logging.getLogger(__name__)
@@ -72,11 +71,19 @@ def request_overhead_ms(client: StorageClient, request: ExtractRequest, rounds: 
     return statistics.median(costs)
 
 
-def raw_fetch_ms(store: ObjectStore, transform: TransformSpec, samples: Sequence[Sample], rounds: int = 3) -> float:
-    """All-in-compute's object reads from this tier, per sample: a batch read as its loader
-    reads one (concurrent GETs across the link), median over ``rounds``."""
-    source = RawObjectSource(store, transform)
-    return statistics.median(source.fetch(samples, epoch=0).timings["fetch_ms"] for _ in range(rounds)) / len(samples)
+def raw_fetch_ms(store: ObjectStore, samples: Sequence[Sample], rounds: int = 3) -> float:
+    """All-in-compute's object reads from this tier, per sample, at the pace its loader
+    keeps in steady state (``IO_THREADS`` GETs in flight across the link): twice that many
+    objects read, after a round that opens the connections; median over ``rounds``."""
+    keys = [s.key for s in samples[:2 * IO_THREADS]]
+    with ThreadPoolExecutor(IO_THREADS) as pool:
+        read_samples(store, keys, pool)
+        times = []
+        for _ in range(rounds):
+            started = time.perf_counter()
+            read_samples(store, keys, pool)
+            times.append((time.perf_counter() - started) * 1e3 / len(keys))
+    return statistics.median(times)
 
 
 def storage_contention(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
@@ -143,7 +150,7 @@ def measure_profile(model: StagedModel, client: StorageClient, store: ObjectStor
         profiles_dir.mkdir(parents=True, exist_ok=True)
         saved.write_text(profile.to_json())
         log.info("profile saved to %s", saved)
-    reads_ms = raw_fetch_ms(store, template.transform, samples[:batch_size])
+    reads_ms = raw_fetch_ms(store, samples)
     return replace(profile, compute=replace(profile.compute, fetch_ms=reads_ms),
                    storage_contention=storage_contention(client, template, samples[:batch_size], profile, depth))
 

@@ -71,6 +71,10 @@ class PushdownSource:
         raise AssertionError("unreachable: the loop returns or raises")
 
 
+# GETs in flight in the all-in-compute baseline's loader.
+IO_THREADS = 16
+
+
 class RawObjectSource:
     """The all-in-compute baseline: raw objects fetched with concurrent GETs, decoded here.
 
@@ -80,7 +84,7 @@ class RawObjectSource:
 
     split = ALL_IN_COMPUTE  # inputs of stage 0, from raw objects
 
-    def __init__(self, store: ObjectStore, transform: TransformSpec, io_threads: int = 16) -> None:
+    def __init__(self, store: ObjectStore, transform: TransformSpec, io_threads: int = IO_THREADS) -> None:
         self.store = store
         self.transform = transform
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="get")
