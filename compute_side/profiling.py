@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 from compute_side.client import Extracted, StorageClient
 from compute_side.sources import IO_THREADS
-from hapi.datasets import Sample, read_samples
+from hapi.datasets import Sample
 from hapi.models import StagedModel
 from hapi.planner import storage_work_ms
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
@@ -71,52 +73,57 @@ def request_overhead_ms(client: StorageClient, request: ExtractRequest, rounds: 
     return statistics.median(costs)
 
 
-def raw_fetch_ms(store: ObjectStore, samples: Sequence[Sample], rounds: int = 3) -> float:
+def steady_pace_ms(tasks: Sequence[Callable[[], object]], in_flight: int) -> float:
+    """Milliseconds between completions of ``tasks`` run ``in_flight`` at a time, in steady
+    state: the first ``in_flight`` to finish started together (part of their work overlapped
+    nothing, or only each other), and the clock stops when the last task has started (from
+    there the pipeline drains). Needs more than twice ``in_flight`` tasks."""
+    if len(tasks) <= 2 * in_flight:
+        raise ValueError(f"{len(tasks)} tasks cannot show a steady state with {in_flight} in flight")
+
+    def finished(task: Callable[[], object]) -> float:
+        task()
+        return time.perf_counter()
+
+    with ThreadPoolExecutor(in_flight) as pool:
+        done = sorted(pool.map(finished, tasks))
+    last_full = len(tasks) - in_flight - 1  # the completion that started the last task
+    return (done[last_full] - done[in_flight - 1]) * 1e3 / (last_full - in_flight + 1)
+
+
+def raw_fetch_ms(store: ObjectStore, samples: Sequence[Sample]) -> float:
     """All-in-compute's object reads from this tier, per sample, at the pace its loader
-    keeps in steady state (``IO_THREADS`` GETs in flight across the link): twice that many
-    objects read, after a round that opens the connections; median over ``rounds``."""
-    keys = [s.key for s in samples[:2 * IO_THREADS]]
-    with ThreadPoolExecutor(IO_THREADS) as pool:
-        read_samples(store, keys, pool)
-        times = []
-        for _ in range(rounds):
-            started = time.perf_counter()
-            read_samples(store, keys, pool)
-            times.append((time.perf_counter() - started) * 1e3 / len(keys))
-    return statistics.median(times)
+    keeps in steady state (``IO_THREADS`` GETs in flight across the link)."""
+    objects = list(dict.fromkeys(s.object_key for s in samples))  # a shard is read once for all its samples
+    reads = [partial(store.get, key) for key in itertools.islice(itertools.cycle(objects), 4 * IO_THREADS)]
+    return steady_pace_ms(reads, IO_THREADS) * len(objects) / len(samples)
 
 
 def storage_contention(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
-                       profile: Profile, depth: int, rounds: int = 8) -> float | None:
+                       profile: Profile, batch_size: int, depth: int) -> float | None:
     """How much slower the node works with requests overlapping than its parts timed alone.
 
     Its fetches, decodes and forwards share its cores in training (the next request's
     objects are read while this one's prefix runs), which the one-at-a-time profile cannot
-    see. A burst of ``rounds`` requests, ``depth`` in flight, at the split that ships the
-    fewest bytes (as bfloat16, half of them) keeps the node busy; from the second reply on,
-    replies leave at the node's pace. None when the link would set that pace instead, or
-    when the run keeps at most one request in flight (nothing overlaps).
+    see. Requests of ``batch_size`` samples, ``depth`` in flight, at the split that ships
+    the fewest bytes (as bfloat16, half of them) keep the node busy; their pace in steady
+    state is the node's. None when the link would set that pace instead, or when the run
+    keeps at most one request in flight (nothing overlaps).
     """
     if depth < 2:
         return None
     split = min(range(1, profile.freeze_index + 1), key=lambda s: (profile.output_elements[s - 1], -s))
-    keys = tuple(s.key for s in samples)
-    alone_ms = storage_work_ms(profile, split) * len(keys)
+    alone_ms = storage_work_ms(profile, split) * batch_size
     wire = "bfloat16"
-    link_ms = profile.output_elements[split - 1] * WIRE_DTYPES[wire].itemsize * len(keys) / profile.bandwidth * 1e3
+    link_ms = profile.output_elements[split - 1] * WIRE_DTYPES[wire].itemsize * batch_size / profile.bandwidth * 1e3
     if link_ms > alone_ms * 0.8:
-        log.info("node contention not measured: the link would pace the burst (%.0f ms vs %.0f ms a request)",
+        log.info("node contention not measured: the link would pace the requests (%.0f ms vs %.0f ms a request)",
                  link_ms, alone_ms)
         return None
-    request = replace(template, keys=keys, split=split, dtype=wire)
-
-    def finished() -> float:
-        client.extract(request)
-        return time.perf_counter()
-
-    with ThreadPoolExecutor(depth) as pool:
-        done = sorted(pool.map(lambda _: finished(), range(rounds)))
-    paced_ms = (done[-1] - done[1]) * 1e3 / (rounds - 2)
+    keys = [s.key for s in itertools.islice(itertools.cycle(samples), 3 * depth * batch_size)]
+    requests = [replace(template, keys=tuple(keys[i: i + batch_size]), split=split, dtype=wire)
+                for i in range(0, len(keys), batch_size)]
+    paced_ms = steady_pace_ms([partial(client.extract, r) for r in requests], depth)
     log.info("node contention at split %d: %.0f ms a request overlapped, %.0f ms timed alone",
              split, paced_ms, alone_ms)
     return paced_ms / alone_ms
@@ -152,7 +159,7 @@ def measure_profile(model: StagedModel, client: StorageClient, store: ObjectStor
         log.info("profile saved to %s", saved)
     reads_ms = raw_fetch_ms(store, samples)
     return replace(profile, compute=replace(profile.compute, fetch_ms=reads_ms),
-                   storage_contention=storage_contention(client, template, samples[:batch_size], profile, depth))
+                   storage_contention=storage_contention(client, template, samples, profile, batch_size, depth))
 
 
 def _digest(*parts: str) -> str:

@@ -21,6 +21,8 @@ log = logging.getLogger(__name__)
 # or, the share in shared_wait_ms, behind other jobs').
 _WORK_TIMINGS = ("fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
 _WAIT_TIMINGS = ("queue_ms", "turn_wait_ms")
+# A read pace within this factor of the objects' time on the link was paced by the link.
+_LINK_PACED = 1.1
 
 
 def node_busy_ms(timings: dict[str, float]) -> float:
@@ -31,6 +33,21 @@ def node_busy_ms(timings: dict[str, float]) -> float:
     turn = timings.get("decode_wait_ms", 0.0) + timings.get("forward_ms", 0.0)
     return (timings.get("shared_wait_ms", 0.0) + max(timings.get("fetch_ms", 0.0), turn)
             + timings.get("encode_ms", 0.0))
+
+
+def reads_beyond_link_ms(profile: Profile) -> float:
+    """All-in-compute's object reads per sample without the link's share, so that a new
+    bandwidth reprices them (the planner takes the slower of these and the link).
+
+    The compute tier measured its read pace across the link as it was then. A pace clearly
+    slower than the link is the store's and the client's work, whatever the link does. A
+    pace the link set says only that this work takes no longer; the node's own reads of the
+    objects next to the store (the same serving work, no link) stand in for it.
+    """
+    pace, link = profile.compute.fetch_ms, profile.raw_bytes / profile.bandwidth * 1e3
+    if not pace or pace > _LINK_PACED * link:
+        return pace
+    return min(pace, profile.storage.fetch_ms)
 
 
 @dataclass
@@ -46,7 +63,7 @@ class Replanner:
     def __init__(self, profile: Profile, chosen: Candidate, batch_size: int, samples: int,
                  dtypes: tuple[str, ...], every: int = 8, min_gain: float = 0.15,
                  request_size: int | None = None) -> None:
-        self.profile = profile
+        self.profile = replace(profile, compute=replace(profile.compute, fetch_ms=reads_beyond_link_ms(profile)))
         self.chosen = chosen
         self.batch_size = batch_size
         self.samples = samples

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from compute_side import daemon_process
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
-from compute_side.profiling import measure_profile, storage_contention
+from compute_side.profiling import measure_profile, steady_pace_ms, storage_contention
 from hapi.datasets import Manifest, make_synthetic
 from hapi.models import build_model
 from hapi.profile import Profile, TierTimes
@@ -236,16 +237,29 @@ def test_profile_times_the_node_with_requests_overlapping(client: StorageClient,
     assert again.storage_contention is not None and again.compute.fetch_ms > 0
 
 
+def test_steady_pace_leaves_out_the_fill() -> None:
+    # Two in flight; the first two tasks open connections (200 ms), every later one takes
+    # 20 ms: in steady state one finishes every 10 ms. Timed from start to end, the run
+    # would average 28 ms a task.
+    durations = [0.2, 0.2] + [0.02] * 8
+    assert 5 < steady_pace_ms([partial(time.sleep, d) for d in durations], in_flight=2) < 20
+
+
+def test_steady_pace_needs_more_than_a_fill_and_a_drain() -> None:
+    with pytest.raises(ValueError, match="steady state"):
+        steady_pace_ms([partial(time.sleep, 0)] * 4, in_flight=2)
+
+
 def test_contention_is_not_measured_where_the_link_would_pace_the_burst(node: Node) -> None:
     tier = TierTimes("toy", 4, 1, 1.0, (1.0, 1.0))
     profile = Profile("resnet18", 32, ("a", "b"), 2, (100, 10), tier, tier, 1000.0, bandwidth=1.0)  # a byte/s
     assert storage_contention(None, ExtractRequest(keys=(), model="resnet18", split=0, transform=SPEC),
-                              node.manifest.split("train")[:4], profile, depth=4) is None
+                              node.manifest.split("train")[:4], profile, batch_size=4, depth=4) is None
 
 
 def test_nothing_overlaps_with_at_most_one_request_in_flight(node: Node) -> None:
     tier = TierTimes("toy", 4, 1, 1.0, (1.0, 1.0))
     profile = Profile("resnet18", 32, ("a", "b"), 2, (100, 10), tier, tier, 1000.0, bandwidth=1e12)
     request = ExtractRequest(keys=(), model="resnet18", split=0, transform=SPEC)
-    assert all(storage_contention(None, request, node.manifest.split("train")[:4], profile, depth) is None
+    assert all(storage_contention(None, request, node.manifest.split("train")[:4], profile, 4, depth) is None
                for depth in (0, 1))

@@ -1,7 +1,9 @@
 """Re-planning: measurements that drift from the plan switch the split, losing nothing."""
 
 from collections import Counter
+from dataclasses import replace
 
+import pytest
 import torch
 from test_planner import profile
 
@@ -9,7 +11,7 @@ from compute_side.loader import Batch, PipelinedLoader, batches_of
 from compute_side.replan import Replanner
 from compute_side.sources import Part
 from hapi.datasets import Sample
-from hapi.planner import candidates, choose, evaluate
+from hapi.planner import ALL_IN_COMPUTE, candidates, choose, evaluate
 
 
 def _batch(split: int, n: int, wire_bytes: int, storage_ms: float, elapsed_ms: float, **waits: float) -> Batch:
@@ -29,6 +31,23 @@ def test_a_link_that_slows_down_moves_the_split_to_fewer_bytes() -> None:
     assert decisions[:3] == [None] * 3
     assert decisions[3] is not None and decisions[3].split == 3  # stage 2's 8 KB output
     assert replanner.profile.bandwidth < 2e6
+
+
+def test_a_link_that_speeds_up_reprices_the_raw_reads_measured_across_the_old_one() -> None:
+    # A slow node; raw objects read from the compute tier at 101 ms each, as fast as the
+    # 1 MB/s link let them (the node reads them next to the store in 2 ms).
+    p = profile(bandwidth=1e6, storage_ms=50.0, compute_ms=0.1, decode_ms=0.5, storage_decode_ms=20.0)
+    p = replace(p, compute=replace(p.compute, fetch_ms=101.0), storage=replace(p.storage, fetch_ms=2.0))
+    chosen = choose(candidates(p, 32, 1000))
+    assert chosen.split == 0  # 49 KB of decoded pixels beat 100 KB of raw objects on the slow link
+    planned = evaluate(p, 0, "float32", 32, 1000)
+    replanner = Replanner(p, chosen, 32, 1000, ("float32",), every=2)
+    # The link is now 100 MB/s: the batch's 1.6 MB cross in 16 ms.
+    fast = _batch(0, 32, int(planned.bytes_per_sample * 32), planned.storage_ms * 32, planned.storage_ms * 32 + 16.0)
+    decisions = [replanner.observe(fast) for _ in range(2)]
+    # Priced at the old pace (101 ms a sample), all-in-compute would stay out of reach.
+    assert decisions[1] is not None and decisions[1].split == ALL_IN_COMPUTE
+    assert decisions[1].storage_ms == pytest.approx(2.0)
 
 
 def test_measurements_that_match_the_plan_change_nothing() -> None:
