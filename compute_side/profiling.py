@@ -17,13 +17,15 @@ from compute_side.client import Extracted, StorageClient
 from compute_side.sources import IO_THREADS
 from hapi.datasets import Sample
 from hapi.models import StagedModel
-from hapi.planner import storage_work_ms
+from hapi.planner import Candidate, contenders, storage_work_ms
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
 from hapi.store import ObjectStore
 from hapi.wire import WIRE_DTYPES, ExtractRequest, ProfileRequest
 
 log = logging.getLogger(__name__)
 
+# Rounds of timing the planner's contenders on the node (each round up to planner.TRIALS).
+TRIAL_ROUNDS = 2
 # Server-side timings that are work on the request, not waiting in a queue or loading a model.
 _WORK_TIMINGS = ("fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
 
@@ -91,12 +93,27 @@ def steady_pace_ms(tasks: Sequence[Callable[[], object]], in_flight: int) -> flo
     return (done[last_full] - done[in_flight - 1]) * 1e3 / (last_full - in_flight + 1)
 
 
-def raw_fetch_ms(store: ObjectStore, samples: Sequence[Sample]) -> float:
-    """All-in-compute's object reads from this tier, per sample, at the pace its loader
-    keeps in steady state (``IO_THREADS`` GETs in flight across the link)."""
+def raw_reads_ms(store: ObjectStore, samples: Sequence[Sample]) -> tuple[float, float]:
+    """All-in-compute's object reads from this tier, per sample: the pace its loader keeps
+    in steady state (``IO_THREADS`` GETs in flight across the link), and this process's CPU
+    for them (the client's work, which competes with training)."""
     objects = list(dict.fromkeys(s.object_key for s in samples))  # a shard is read once for all its samples
     reads = [partial(store.get, key) for key in itertools.islice(itertools.cycle(objects), 4 * IO_THREADS)]
-    return steady_pace_ms(reads, IO_THREADS) * len(objects) / len(samples)
+    per_sample = len(objects) / len(samples)
+    cpu_started = time.process_time()
+    pace_ms = steady_pace_ms(reads, IO_THREADS)
+    cpu_ms = (time.process_time() - cpu_started) * 1e3 / len(reads)
+    return pace_ms * per_sample, cpu_ms * per_sample
+
+
+def node_pace_ms(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample], split: int,
+                 dtype: str, batch_size: int, depth: int) -> float:
+    """Per sample, the pace at which the node serves requests of ``batch_size`` samples at
+    ``split`` with ``depth`` in flight, each reply crossing the link, in steady state."""
+    keys = [s.key for s in itertools.islice(itertools.cycle(samples), 3 * max(depth, 1) * batch_size)]
+    requests = [replace(template, keys=tuple(keys[i: i + batch_size]), split=split, dtype=dtype)
+                for i in range(0, len(keys), batch_size)]
+    return steady_pace_ms([partial(client.extract, r) for r in requests], max(depth, 1)) / batch_size
 
 
 def storage_contention(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
@@ -105,28 +122,41 @@ def storage_contention(client: StorageClient, template: ExtractRequest, samples:
 
     Its fetches, decodes and forwards share its cores in training (the next request's
     objects are read while this one's prefix runs), which the one-at-a-time profile cannot
-    see. Requests of ``batch_size`` samples, ``depth`` in flight, at the split that ships
-    the fewest bytes (as bfloat16, half of them) keep the node busy; their pace in steady
-    state is the node's. None when the link would set that pace instead, or when the run
-    keeps at most one request in flight (nothing overlaps).
+    see. Its pace at the split that ships the fewest bytes (as bfloat16, half of them), with
+    ``depth`` requests in flight, is the node's own. None when the link would set that pace
+    instead, or when the run keeps at most one request in flight (nothing overlaps).
     """
     if depth < 2:
         return None
     split = min(range(1, profile.freeze_index + 1), key=lambda s: (profile.output_elements[s - 1], -s))
-    alone_ms = storage_work_ms(profile, split) * batch_size
+    alone_ms = storage_work_ms(profile, split)
     wire = "bfloat16"
-    link_ms = profile.output_elements[split - 1] * WIRE_DTYPES[wire].itemsize * batch_size / profile.bandwidth * 1e3
+    link_ms = profile.output_elements[split - 1] * WIRE_DTYPES[wire].itemsize / profile.bandwidth * 1e3
     if link_ms > alone_ms * 0.8:
-        log.info("node contention not measured: the link would pace the requests (%.0f ms vs %.0f ms a request)",
+        log.info("node contention not measured: the link would pace the requests (%.1f ms vs %.1f ms a sample)",
                  link_ms, alone_ms)
         return None
-    keys = [s.key for s in itertools.islice(itertools.cycle(samples), 3 * depth * batch_size)]
-    requests = [replace(template, keys=tuple(keys[i: i + batch_size]), split=split, dtype=wire)
-                for i in range(0, len(keys), batch_size)]
-    paced_ms = steady_pace_ms([partial(client.extract, r) for r in requests], depth)
-    log.info("node contention at split %d: %.0f ms a request overlapped, %.0f ms timed alone",
+    paced_ms = node_pace_ms(client, template, samples, split, wire, batch_size, depth)
+    log.info("node contention at split %d: %.1f ms a sample overlapped, %.1f ms timed alone",
              split, paced_ms, alone_ms)
     return paced_ms / alone_ms
+
+
+def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Candidate]], client: StorageClient,
+                    template: ExtractRequest, samples: Sequence[Sample], batch_size: int, depth: int) -> Profile:
+    """The profile with the node's pace measured at the planner's contenders: where the
+    prediction is close, the node's time at the split itself decides, not its parts' sum.
+    A contender timed slower can leave a new one in front; it is timed in a second round."""
+    paces = list(profile.node_paces)
+    for _ in range(TRIAL_ROUNDS):
+        todo = contenders(profile, options_for(profile))
+        for c in todo:
+            pace = node_pace_ms(client, template, samples, c.split, c.dtype, batch_size, depth)
+            log.info("node at %s: %.1f ms a sample in steady state (predicted storage %.1f, network %.1f)",
+                     c.label, pace, c.storage_ms, c.transfer_ms)
+            paces.append((c.split, c.dtype, pace))
+        profile = replace(profile, node_paces=tuple(paces))
+    return profile
 
 
 def measure_profile(model: StagedModel, client: StorageClient, store: ObjectStore, template: ExtractRequest,
@@ -157,8 +187,8 @@ def measure_profile(model: StagedModel, client: StorageClient, store: ObjectStor
         profiles_dir.mkdir(parents=True, exist_ok=True)
         saved.write_text(profile.to_json())
         log.info("profile saved to %s", saved)
-    reads_ms = raw_fetch_ms(store, samples)
-    return replace(profile, compute=replace(profile.compute, fetch_ms=reads_ms),
+    reads_ms, reads_cpu_ms = raw_reads_ms(store, samples)
+    return replace(profile, compute=replace(profile.compute, fetch_ms=reads_ms, fetch_cpu_ms=reads_cpu_ms),
                    storage_contention=storage_contention(client, template, samples, profile, batch_size, depth))
 
 

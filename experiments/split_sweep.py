@@ -40,7 +40,7 @@ import torch
 
 from compute_side.client import StorageClient
 from compute_side.loader import PipelinedLoader, batches_of
-from compute_side.profiling import measure_profile
+from compute_side.profiling import measure_profile, time_contenders
 from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
@@ -103,6 +103,8 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     transform = TransformSpec(crop_size=args.image_size, resize_size=round(args.image_size * 256 / 224))
     template = ExtractRequest(keys=(), model=name, split=0, transform=transform, job_id="sweep")
     profile = measure_profile(model, client, store, template, samples, args.batch_size, profiles_dir, args.depth)
+    profile = time_contenders(profile, lambda p: candidates(p, args.batch_size, STEADY_STATE_SAMPLES), client,
+                              template, samples, args.batch_size, args.depth)
     options = candidates(profile, args.batch_size, STEADY_STATE_SAMPLES)
     chosen = choose(options)
     batches = batches_of(samples, args.batch_size)

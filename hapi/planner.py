@@ -5,11 +5,13 @@ same time, so in steady state an iteration costs its slowest stage, not their su
 first batch pays for all three (fill) before the pipeline runs. Per sample:
 
     storage(s)  = (fetch + decode + forward of stages [0, s) on the storage tier)
-                  x the node's measured contention under overlapping requests (1 unmeasured)
+                  x the node's measured contention under overlapping requests (1 unmeasured);
+                  for the contenders, the node's pace measured at s itself (``node_paces``)
     transfer(s) = bytes of stage s-1's output in the wire dtype / bandwidth
     compute(s)  = forward of frozen stages [s, freeze) + train step of [freeze, end)
                   + a request's fixed cost / samples per request
-                  (all-in-compute: storage only serves the objects; decode runs here)
+                  (all-in-compute: storage = this tier's reads across the link; compute =
+                  their client CPU + decode + every frozen stage + train step)
     epoch(s)    = N x max(storage, transfer, compute) + B x (sum - max)
 
 Splits whose compute-side memory for one batch exceeds the budget are dropped.
@@ -24,6 +26,11 @@ from hapi.wire import WIRE_DTYPES
 
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
 FLOAT32_BYTES = 4
+# Pushdown candidates predicted within this factor of the best are timed on the node itself
+# before the choice (at most TRIALS of them), unless the link clearly paces them.
+TRIAL_WITHIN = 1.25
+TRIALS = 2
+LINK_PACED = 1.5  # transfer / storage above which the link, not the node, sets the pace
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,15 @@ class Candidate:
     def bottleneck(self) -> str:
         costs = {"storage": self.storage_ms, "network": self.transfer_ms, "compute": self.compute_ms}
         return max(costs, key=costs.get)
+
+    @property
+    def slack(self) -> float:
+        """How far the next slowest stage stays below the bottleneck (0: they tie). A pipeline
+        of near-equal stages runs slower than its slowest one, each waiting on the other's
+        jitter. All-in-compute's reads cross the link: its reads and link are one stage."""
+        stages = sorted([max(self.storage_ms, self.transfer_ms), self.compute_ms] if self.split == ALL_IN_COMPUTE
+                        else [self.storage_ms, self.transfer_ms, self.compute_ms])
+        return 1 - stages[-2] / stages[-1] if stages[-1] else 0.0
 
     @property
     def label(self) -> str:
@@ -77,11 +93,12 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
         # The objects are read from the compute tier, across the link: slower than the
         # node's reads next to the store (a round trip and the client's work per object).
         storage_ms = compute.fetch_ms or storage.fetch_ms
-        compute_ms = compute.decode_ms + frozen_here + compute.train_ms
+        compute_ms = compute.fetch_cpu_ms + compute.decode_ms + frozen_here + compute.train_ms
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
-        storage_ms = storage_work_ms(profile, split) * (profile.storage_contention or 1.0)
+        modelled_ms = storage_work_ms(profile, split) * (profile.storage_contention or 1.0)
+        storage_ms = {(s, d): ms for s, d, ms in profile.node_paces}.get((split, dtype), modelled_ms)
         compute_ms = frozen_here + compute.train_ms + storage.request_ms / request_size
     transfer_ms = per_sample / profile.bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
@@ -101,23 +118,42 @@ def candidates(profile: Profile, batch_size: int, samples: int, dtypes: tuple[st
     return out
 
 
+def contenders(profile: Profile, options: list[Candidate]) -> list[Candidate]:
+    """The pushdown candidates worth timing on the node before choosing: the fastest
+    predicted, within ``TRIAL_WITHIN`` of the best, not yet timed, whose pace the link does
+    not clearly set."""
+    feasible = [c for c in options if c.feasible]
+    if not feasible:
+        return []
+    best = min(c.epoch_s for c in feasible)
+    timed = {(split, dtype) for split, dtype, _ in profile.node_paces}
+    near = sorted((c for c in feasible if c.split != ALL_IN_COMPUTE and c.epoch_s <= best * TRIAL_WITHIN
+                   and (c.split, c.dtype) not in timed and c.transfer_ms <= LINK_PACED * c.storage_ms),
+                  key=lambda c: c.epoch_s)
+    return near[:TRIALS]
+
+
 def choose(options: list[Candidate]) -> Candidate:
-    """The fastest feasible candidate; among near-ties (1%), the one that moves fewer bytes."""
+    """The fastest feasible candidate; among near-ties (1%), the one whose stages are least
+    balanced (most slack), then the one that moves fewer bytes."""
     feasible = [c for c in options if c.feasible]
     if not feasible:
         raise ValueError("no split fits the compute tier's memory; lower --batch-size")
     best = min(c.epoch_s for c in feasible)
-    return min((c for c in feasible if c.epoch_s <= best * 1.01), key=lambda c: (c.bytes_per_sample, c.epoch_s))
+    near_ties = [c for c in feasible if c.epoch_s <= best * 1.01]
+    return min(near_ties, key=lambda c: (-c.slack, c.bytes_per_sample, c.epoch_s))
 
 
 def explain(profile: Profile, options: list[Candidate], chosen: Candidate) -> str:
-    """The whole table of candidates, one line each."""
+    """The whole table of candidates, one line each; storage times the node was timed at are marked *."""
+    timed = {(split, dtype) for split, dtype, _ in profile.node_paces}
     lines = [f"{'candidate':22s} {'after stage':18s} {'KB/sample':>10s} {'storage':>9s} {'network':>9s} "
              f"{'compute':>9s} {'epoch s':>9s}  bottleneck   (ms per sample)"]
     for c in options:
         stage = "-" if c.split <= 0 else profile.stage_names[c.split - 1]
         mark = "  <- chosen" if c == chosen else ("  (out of memory)" if not c.feasible else "")
-        lines.append(f"{c.label:22s} {stage:18s} {c.bytes_per_sample / 1e3:10.1f} {c.storage_ms:9.2f} "
+        star = "*" if (c.split, c.dtype) in timed else " "
+        lines.append(f"{c.label:22s} {stage:18s} {c.bytes_per_sample / 1e3:10.1f} {c.storage_ms:8.2f}{star} "
                      f"{c.transfer_ms:9.2f} {c.compute_ms:9.2f} {c.epoch_s:9.1f}  {c.bottleneck:10s}{mark}")
     return "\n".join(lines)
 

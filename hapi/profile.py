@@ -37,6 +37,9 @@ class TierTimes:
     # the compute tier, all-in-compute's reads across the link, as its loader makes them.
     fetch_ms: float = 0.0
     request_ms: float = 0.0  # fixed cost of one request to the storage tier, as the client sees it
+    # This tier's own CPU for those reads (the client's work per object), which on the
+    # compute tier competes with training.
+    fetch_cpu_ms: float = 0.0
 
 
 def host_name() -> str:
@@ -140,6 +143,11 @@ class Profile:
     # fetches, decodes and forwards share its cores), over the sum of its parts timed alone;
     # None where it could not be measured (the link, not the node, would pace a burst).
     storage_contention: float | None = None
+    # (split, wire dtype, ms per sample): the pace at which the node served requests at that
+    # split, replies crossing the link, in steady state. Measured for the planner's
+    # contenders, where the parts' sum can miss what the node's work and its sending cost
+    # each other; like the contention, measured anew for each run.
+    node_paces: tuple[tuple[int, str, float], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -150,7 +158,8 @@ class Profile:
         for tier in ("storage", "compute"):
             body[tier] = TierTimes(**{**body[tier], "forward_ms": tuple(body[tier]["forward_ms"])})
         return cls(**{**body, "stage_names": tuple(body["stage_names"]),
-                      "output_elements": tuple(body["output_elements"])})
+                      "output_elements": tuple(body["output_elements"]),
+                      "node_paces": tuple(tuple(pace) for pace in body.get("node_paces", ()))})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"link {profile.bandwidth * 8 / 1e6:.1f} Mbit/s; raw objects {profile.raw_bytes / 1e3:.1f} KB/sample; "
           f"decode storage {profile.storage.decode_ms:.2f} / compute {profile.compute.decode_ms:.2f} ms/sample; "
           f"object fetch {profile.storage.fetch_ms:.2f} ms/sample on the node, {profile.compute.fetch_ms:.2f} across "
-          f"the link; request {profile.storage.request_ms:.1f} ms; "
+          f"the link ({profile.compute.fetch_cpu_ms:.2f} of client CPU); request {profile.storage.request_ms:.1f} ms; "
           f"training step {profile.compute.train_ms:.2f} ms/sample; with requests overlapping the node works "
           + (f"{profile.storage_contention:.2f}x as long" if profile.storage_contention is not None
              else "(not measured: the link would pace a burst)"))

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from compute_side import deployment
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.loader import PipelinedLoader, Source, batches_of, epoch_order
-from compute_side.profiling import measure_profile
+from compute_side.profiling import measure_profile, time_contenders
 from compute_side.replan import Replanner
 from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
@@ -182,10 +182,17 @@ class Sources:
 
 def plan(args: argparse.Namespace, model: StagedModel, client: StorageClient, store: ObjectStore,
          template: ExtractRequest, samples: tuple[Sample, ...]) -> tuple[Profile, list[Candidate], Candidate]:
-    """Profile both tiers (stage times cached per hardware) and choose the split."""
+    """Profile both tiers (stage times cached per hardware), time the node at the close
+    contenders, and choose the split."""
     profile = measure_profile(model, client, store, template, samples, min(args.batch_size, PROFILE_BATCH),
                               args.cache_dir / "profiles", args.depth, refresh=args.refresh_profile)
-    options = candidates(profile, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
+
+    def options_for(p: Profile) -> list[Candidate]:
+        return candidates(p, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
+
+    request_size = min(args.request_size, args.batch_size)
+    profile = time_contenders(profile, options_for, client, template, samples, request_size, args.depth)
+    options = options_for(profile)
     return profile, options, choose(options)
 
 

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from hapi.planner import ALL_IN_COMPUTE, candidates, choose, evaluate, explain, summary
+from hapi.planner import ALL_IN_COMPUTE, TRIALS, candidates, choose, contenders, evaluate, explain, summary
 from hapi.profile import Profile, TierTimes
 
 # A toy 6-stage network, freeze index 4: outputs per sample (elements) shrink unevenly;
@@ -44,6 +44,10 @@ def test_all_in_compute_reads_objects_at_the_pace_the_compute_tier_measured() ->
     slow_reads = replace(p, compute=replace(p.compute, fetch_ms=30.0))  # a round trip per object, across the link
     assert evaluate(slow_reads, ALL_IN_COMPUTE, "float32", 32, 1000).storage_ms == pytest.approx(30.0)
     assert choose(candidates(slow_reads, 32, 1000)).split == 0  # the node reads and decodes in 20 ms
+    # The client's CPU for each GET is compute-tier work, like the decode.
+    busy = replace(slow_reads, compute=replace(slow_reads.compute, fetch_cpu_ms=5.0))
+    assert (evaluate(busy, ALL_IN_COMPUTE, "float32", 32, 1000).compute_ms
+            == pytest.approx(evaluate(slow_reads, ALL_IN_COMPUTE, "float32", 32, 1000).compute_ms + 5.0))
 
 
 def test_a_slow_compute_tier_pushes_every_frozen_stage_down() -> None:
@@ -59,6 +63,36 @@ def test_a_node_slowed_by_overlapping_requests_ships_more_bytes_instead() -> Non
     assert evaluate(contended, 3, "float32", 32, 1000).storage_ms == pytest.approx(200.0)
     best = choose(candidates(contended, 32, 1000))
     assert best.split == 2 and best.bottleneck == "storage"  # 2 x 70 ms beats 2 x 100 ms, bytes or not
+
+
+def test_the_node_timed_at_a_contender_outweighs_the_sum_of_its_parts() -> None:
+    p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
+    # Split 3 (100 ms) is the best; split 2 is 20% behind but its 120 KB set its pace on the
+    # link; split 4 (130 ms) is too far behind to be timed.
+    assert [c.split for c in contenders(p, candidates(p, 32, 1000))] == [3]
+    timed = replace(p, node_paces=((3, "float32", 200.0),))  # its replies cost the node more than its parts
+    assert evaluate(timed, 3, "float32", 32, 1000).storage_ms == pytest.approx(200.0)
+    assert evaluate(timed, 4, "float32", 32, 1000).storage_ms == pytest.approx(130.0)  # not timed: the model
+    assert choose(candidates(timed, 32, 1000)).split == 2  # 120 ms on the link now beats it
+    assert "200.00*" in explain(timed, candidates(timed, 32, 1000), evaluate(timed, 2, "float32", 32, 1000))
+    # Split 3 is not timed again; split 4, now within reach of the best, is next.
+    assert [c.split for c in contenders(timed, candidates(timed, 32, 1000))] == [4]
+
+
+def test_among_near_ties_the_pipeline_with_slack_wins() -> None:
+    # Split 3 is node-bound at 100 ms with its link at 100 ms too; all-in-compute is bound by
+    # its reads across the link at 100.5 ms, its compute 40 ms behind: a 0.5% tie (long epoch).
+    p = profile(bandwidth=80_000, storage_ms=30.0, compute_ms=0.1, decode_ms=10.0, raw_bytes=8040)
+    p = replace(p, compute=replace(p.compute, fetch_ms=100.5, decode_ms=59.0))
+    balanced, slack = (evaluate(p, split, "float32", 32, 100_000) for split in (3, ALL_IN_COMPUTE))
+    assert balanced.epoch_s < slack.epoch_s < balanced.epoch_s * 1.01
+    assert balanced.slack < 0.01 and slack.slack > 0.3
+    assert choose([balanced, slack]) == slack
+
+
+def test_at_most_a_few_contenders_are_timed() -> None:
+    p = profile(bandwidth=1e12, storage_ms=0.0, compute_ms=0.01, decode_ms=1.0)  # every split costs about the same
+    assert len(contenders(p, candidates(p, 32, 1000))) == TRIALS
 
 
 def test_epoch_time_is_the_pipelined_sum() -> None:
@@ -100,5 +134,5 @@ def test_explain_lists_every_candidate_and_marks_the_choice() -> None:
 
 
 def test_profile_round_trips_through_json() -> None:
-    p = profile(bandwidth=1e6)
+    p = replace(profile(bandwidth=1e6), storage_contention=1.3, node_paces=((3, "float32", 12.5),))
     assert Profile.from_json(p.to_json()) == p
