@@ -16,7 +16,7 @@ Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's pat
 16 px), batch 8, 4 warm-up + 4 timed iterations per candidate (+ 4 in flight when the clock
 stops), bandwidths 5-100 Mbit/s.
 A candidate 2x slower than the best so far is stopped there; candidates within 20% of the
-best, and the planner's choice, are timed again over 16 iterations and keep that time.
+best, and the planner's choice, are timed again over 12 iterations and keep that time.
 When another candidate than the choice is the fastest, both are timed again, alternately,
 to 3 long windows each, and keep the median (the fastest of many noisy candidates is
 flattered by its luck). Every long window is kept in the CSV.
@@ -220,7 +220,7 @@ def main() -> int:
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
-    p.add_argument("--long-iterations", type=int, default=16,
+    p.add_argument("--long-iterations", type=int, default=12,
                    help="timed iterations of the contenders for best, and of the choice")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="requests in flight, as in hapi.train")
     p.add_argument("--warmup", type=int, help="iterations before the clock starts (default: the depth)")
