@@ -141,7 +141,7 @@ class Profile:
     bandwidth: float  # bytes/s between the tiers
     # The storage node's work per request with requests overlapping, as in training (its
     # fetches, decodes and forwards share its cores), over the sum of its parts timed alone;
-    # None where it could not be measured (the link, not the node, would pace a burst).
+    # None where it could not be measured (the link, not the node, would pace its requests).
     storage_contention: float | None = None
     # (split, wire dtype, ms per sample): the pace at which the node served requests at that
     # split, replies crossing the link, in steady state. Measured for the planner's
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
           f"the link ({profile.compute.fetch_cpu_ms:.2f} of client CPU); request {profile.storage.request_ms:.1f} ms; "
           f"training step {profile.compute.train_ms:.2f} ms/sample; with requests overlapping the node works "
           + (f"{profile.storage_contention:.2f}x as long" if profile.storage_contention is not None
-             else "(not measured: the link would pace a burst)"))
+             else "(not measured: the link would pace its requests)"))
     print(f"{'stage':4s} {'name':20s} {'output KB':>10s} {'storage ms':>11s} {'compute ms':>11s}   (per sample)")
     for i in range(profile.freeze_index):
         print(f"{i:4d} {profile.stage_names[i]:20s} {profile.output_elements[i] * 4 / 1e3:10.1f} "
