@@ -45,7 +45,7 @@ from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
 from hapi.models import build_model
-from hapi.planner import ALL_IN_COMPUTE, Candidate, candidates, choose
+from hapi.planner import ALL_IN_COMPUTE, Candidate, candidates, choose, explain
 from hapi.store import S3Store
 from hapi.train import DEFAULT_DEPTH
 from hapi.transforms import TransformSpec
@@ -107,6 +107,9 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
                               template, samples, args.batch_size, args.depth)
     options = candidates(profile, args.batch_size, STEADY_STATE_SAMPLES)
     chosen = choose(options)
+    logging.info("%s %s Mbit/s: contention %s, compute-tier reads %.2f ms/sample (%.2f of client CPU)\n%s", name,
+                 bandwidth, profile.storage_contention, profile.compute.fetch_ms, profile.compute.fetch_cpu_ms,
+                 explain(profile, options, chosen))
     batches = batches_of(samples, args.batch_size)
 
     def measure(c: Candidate, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
