@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 _WORK_TIMINGS = ("fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
 _WAIT_TIMINGS = ("queue_ms", "turn_wait_ms")
 # A read pace within this factor of the objects' time on the link was paced by the link.
-_LINK_PACED = 1.1
+_READS_AT_LINK_PACE = 1.1
 
 
 def node_busy_ms(timings: dict[str, float]) -> float:
@@ -45,7 +45,7 @@ def reads_beyond_link_ms(profile: Profile) -> float:
     objects next to the store (the same serving work, no link) stand in for it.
     """
     pace, link = profile.compute.fetch_ms, profile.raw_bytes / profile.bandwidth * 1e3
-    if not pace or pace > _LINK_PACED * link:
+    if not pace or pace > _READS_AT_LINK_PACE * link:
         return pace
     return min(pace, profile.storage.fetch_ms)
 

@@ -30,7 +30,7 @@ FLOAT32_BYTES = 4
 # before the choice (at most TRIALS of them), unless the link clearly paces them.
 TRIAL_WITHIN = 1.25
 TRIALS = 2
-LINK_PACED = 1.5  # transfer / storage above which the link, not the node, sets the pace
+LINK_BOUND = 1.5  # transfer / storage above which the link, not the node, sets a split's pace
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ def contenders(profile: Profile, options: list[Candidate]) -> list[Candidate]:
     best = min(c.epoch_s for c in feasible)
     timed = {(split, dtype) for split, dtype, _ in profile.node_paces}
     near = sorted((c for c in feasible if c.split != ALL_IN_COMPUTE and c.epoch_s <= best * TRIAL_WITHIN
-                   and (c.split, c.dtype) not in timed and c.transfer_ms <= LINK_PACED * c.storage_ms),
+                   and (c.split, c.dtype) not in timed and c.transfer_ms <= LINK_BOUND * c.storage_ms),
                   key=lambda c: c.epoch_s)
     return near[:TRIALS]
 
