@@ -17,15 +17,13 @@ from compute_side.client import Extracted, StorageClient
 from compute_side.sources import IO_THREADS
 from hapi.datasets import Sample
 from hapi.models import StagedModel
-from hapi.planner import Candidate, contenders, storage_work_ms
+from hapi.planner import TRIAL_ROUNDS, Candidate, contenders, storage_work_ms
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
 from hapi.store import ObjectStore
 from hapi.wire import WIRE_DTYPES, ExtractRequest, ProfileRequest
 
 log = logging.getLogger(__name__)
 
-# Rounds of timing the planner's contenders on the node (each round up to planner.TRIALS).
-TRIAL_ROUNDS = 2
 # Server-side timings that are work on the request, not waiting in a queue or loading a model.
 _WORK_TIMINGS = ("fetch_ms", "decode_wait_ms", "forward_ms", "encode_ms")
 
@@ -147,15 +145,16 @@ def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Cand
     """The profile with the node's pace measured at the planner's contenders: where the
     prediction is close, the node's time at the split itself decides, not its parts' sum.
     A contender timed slower can leave a new one in front; it is timed in a second round."""
-    paces = list(profile.node_paces)
     for _ in range(TRIAL_ROUNDS):
-        todo = contenders(profile, options_for(profile))
-        for c in todo:
+        paces = []
+        for c in contenders(profile, options_for(profile)):
             pace = node_pace_ms(client, template, samples, c.split, c.dtype, batch_size, depth)
             log.info("node at %s: %.1f ms a sample in steady state (predicted storage %.1f, network %.1f)",
                      c.label, pace, c.storage_ms, c.transfer_ms)
             paces.append((c.split, c.dtype, pace))
-        profile = replace(profile, node_paces=tuple(paces))
+        if not paces:
+            break
+        profile = replace(profile, node_paces=profile.node_paces + tuple(paces))
     return profile
 
 

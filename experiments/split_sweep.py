@@ -46,6 +46,7 @@ from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
 from hapi.models import build_model
 from hapi.planner import ALL_IN_COMPUTE, Candidate, candidates, choose, explain
+from hapi.profile import Profile
 from hapi.store import S3Store
 from hapi.train import DEFAULT_DEPTH
 from hapi.transforms import TransformSpec
@@ -103,9 +104,12 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     transform = TransformSpec(crop_size=args.image_size, resize_size=round(args.image_size * 256 / 224))
     template = ExtractRequest(keys=(), model=name, split=0, transform=transform, job_id="sweep")
     profile = measure_profile(model, client, store, template, samples, args.batch_size, profiles_dir, args.depth)
-    profile = time_contenders(profile, lambda p: candidates(p, args.batch_size, STEADY_STATE_SAMPLES), client,
-                              template, samples, args.batch_size, args.depth)
-    options = candidates(profile, args.batch_size, STEADY_STATE_SAMPLES)
+
+    def options_for(p: Profile) -> list[Candidate]:
+        return candidates(p, args.batch_size, STEADY_STATE_SAMPLES)
+
+    profile = time_contenders(profile, options_for, client, template, samples, args.batch_size, args.depth)
+    options = options_for(profile)
     chosen = choose(options)
     logging.info("%s %s Mbit/s: contention %s, compute-tier reads %.2f ms/sample (%.2f of client CPU)\n%s", name,
                  bandwidth, profile.storage_contention, profile.compute.fetch_ms, profile.compute.fetch_cpu_ms,

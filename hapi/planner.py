@@ -27,9 +27,11 @@ from hapi.wire import WIRE_DTYPES
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
 FLOAT32_BYTES = 4
 # Pushdown candidates predicted within this factor of the best are timed on the node itself
-# before the choice (at most TRIALS of them), unless the link clearly paces them.
+# before the choice (at most TRIALS of them a round, for TRIAL_ROUNDS rounds: a contender
+# timed slower can bring another within reach), unless the link clearly paces them.
 TRIAL_WITHIN = 1.25
 TRIALS = 2
+TRIAL_ROUNDS = 2
 LINK_BOUND = 1.5  # transfer / storage above which the link, not the node, sets a split's pace
 
 
@@ -97,8 +99,9 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
-        modelled_ms = storage_work_ms(profile, split) * (profile.storage_contention or 1.0)
-        storage_ms = {(s, d): ms for s, d, ms in profile.node_paces}.get((split, dtype), modelled_ms)
+        storage_ms = profile.node_pace(split, dtype)
+        if storage_ms is None:
+            storage_ms = storage_work_ms(profile, split) * (profile.storage_contention or 1.0)
         compute_ms = frozen_here + compute.train_ms + storage.request_ms / request_size
     transfer_ms = per_sample / profile.bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
@@ -126,9 +129,8 @@ def contenders(profile: Profile, options: list[Candidate]) -> list[Candidate]:
     if not feasible:
         return []
     best = min(c.epoch_s for c in feasible)
-    timed = {(split, dtype) for split, dtype, _ in profile.node_paces}
     near = sorted((c for c in feasible if c.split != ALL_IN_COMPUTE and c.epoch_s <= best * TRIAL_WITHIN
-                   and (c.split, c.dtype) not in timed and c.transfer_ms <= LINK_BOUND * c.storage_ms),
+                   and profile.node_pace(c.split, c.dtype) is None and c.transfer_ms <= LINK_BOUND * c.storage_ms),
                   key=lambda c: c.epoch_s)
     return near[:TRIALS]
 
@@ -146,13 +148,12 @@ def choose(options: list[Candidate]) -> Candidate:
 
 def explain(profile: Profile, options: list[Candidate], chosen: Candidate) -> str:
     """The whole table of candidates, one line each; storage times the node was timed at are marked *."""
-    timed = {(split, dtype) for split, dtype, _ in profile.node_paces}
     lines = [f"{'candidate':22s} {'after stage':18s} {'KB/sample':>10s} {'storage':>9s} {'network':>9s} "
              f"{'compute':>9s} {'epoch s':>9s}  bottleneck   (ms per sample)"]
     for c in options:
         stage = "-" if c.split <= 0 else profile.stage_names[c.split - 1]
         mark = "  <- chosen" if c == chosen else ("  (out of memory)" if not c.feasible else "")
-        star = "*" if (c.split, c.dtype) in timed else " "
+        star = " " if profile.node_pace(c.split, c.dtype) is None else "*"
         lines.append(f"{c.label:22s} {stage:18s} {c.bytes_per_sample / 1e3:10.1f} {c.storage_ms:8.2f}{star} "
                      f"{c.transfer_ms:9.2f} {c.compute_ms:9.2f} {c.epoch_s:9.1f}  {c.bottleneck:10s}{mark}")
     return "\n".join(lines)

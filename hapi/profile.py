@@ -149,6 +149,10 @@ class Profile:
     # each other; like the contention, measured anew for each run.
     node_paces: tuple[tuple[int, str, float], ...] = ()
 
+    def node_pace(self, split: int, dtype: str) -> float | None:
+        """The node's pace timed at this split and wire dtype, if it was."""
+        return next((ms for s, d, ms in self.node_paces if (s, d) == (split, dtype)), None)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 

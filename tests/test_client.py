@@ -19,9 +19,10 @@ import torch
 from compute_side import daemon_process
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
-from compute_side.profiling import measure_profile, steady_pace_ms, storage_contention
+from compute_side.profiling import measure_profile, steady_pace_ms, storage_contention, time_contenders
 from hapi.datasets import Manifest, make_synthetic
 from hapi.models import build_model
+from hapi.planner import TRIAL_ROUNDS, TRIALS, Candidate, candidates, contenders, evaluate
 from hapi.profile import Profile, TierTimes
 from hapi.store import FileStore
 from hapi.transforms import TransformSpec, preprocess
@@ -235,6 +236,24 @@ def test_profile_times_the_node_with_requests_overlapping(client: StorageClient,
     assert saved.storage_contention is None and saved.compute.fetch_ms == saved.compute.fetch_cpu_ms == 0
     again = measure_profile(model, client, node.store, template, samples, 4, tmp_path, depth=4)
     assert again.storage_contention is not None and again.compute.fetch_ms > 0
+
+
+def test_the_planner_s_contenders_are_timed_on_the_node(client: StorageClient, node: Node, tmp_path: Path) -> None:
+    model = build_model("resnet18", input_size=SPEC.crop_size)
+    template = ExtractRequest(keys=(), model="resnet18", split=0, transform=SPEC)
+    samples = node.manifest.split("train")[:4]
+    profile = measure_profile(model, client, node.store, template, samples, 4, tmp_path, depth=2)
+
+    def options_for(p: Profile) -> list[Candidate]:
+        return candidates(p, 4, 1000)
+
+    first = contenders(profile, options_for(profile))
+    assert first  # on loopback no split is link-bound, and several are within reach of the best
+    timed = time_contenders(profile, options_for, client, template, samples, 4, depth=2)
+    assert all(timed.node_pace(c.split, c.dtype) > 0 for c in first)
+    assert len(timed.node_paces) <= TRIALS * TRIAL_ROUNDS
+    # What the node was timed at is what the planner now charges those splits.
+    assert all(evaluate(timed, s, d, 4, 1000).storage_ms == ms for s, d, ms in timed.node_paces)
 
 
 def test_steady_pace_leaves_out_the_fill() -> None:
