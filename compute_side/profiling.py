@@ -17,7 +17,7 @@ from compute_side.client import Extracted, StorageClient
 from compute_side.sources import IO_THREADS
 from hapi.datasets import Sample
 from hapi.models import StagedModel
-from hapi.planner import TRIAL_ROUNDS, Candidate, contenders, storage_work_ms
+from hapi.planner import TRIAL_READINGS, TRIAL_ROUNDS, Candidate, contenders, storage_parts_ms
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
 from hapi.store import ObjectStore
 from hapi.wire import WIRE_DTYPES, ExtractRequest, ProfileRequest
@@ -114,47 +114,60 @@ def node_pace_ms(client: StorageClient, template: ExtractRequest, samples: Seque
     return steady_pace_ms([partial(client.extract, r) for r in requests], max(depth, 1)) / batch_size
 
 
-def storage_contention(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample],
-                       profile: Profile, batch_size: int, depth: int) -> float | None:
-    """How much slower the node works with requests overlapping than its parts timed alone.
+ANCHOR_DTYPE = "bfloat16"  # the anchor's replies, at half the bytes, keep clear of the link's pace
+
+
+def node_anchor(client: StorageClient, template: ExtractRequest, samples: Sequence[Sample], profile: Profile,
+                batch_size: int, depth: int) -> tuple[int, float] | None:
+    """(split, ms per sample): the node's pace with ``depth`` requests in flight, at the split
+    that ships the fewest bytes, where the planner anchors its model of the node.
 
     Its fetches, decodes and forwards share its cores in training (the next request's
-    objects are read while this one's prefix runs), which the one-at-a-time profile cannot
-    see. Its pace at the split that ships the fewest bytes (as bfloat16, half of them), with
-    ``depth`` requests in flight, is the node's own. None when the link would set that pace
-    instead, or when the run keeps at most one request in flight (nothing overlaps).
+    objects are read while this one's prefix runs), which its parts timed one at a time
+    cannot show. None when the link would set that pace instead, or when the run keeps at
+    most one request in flight (nothing overlaps).
     """
     if depth < 2:
         return None
     split = min(range(1, profile.freeze_index + 1), key=lambda s: (profile.output_elements[s - 1], -s))
-    alone_ms = storage_work_ms(profile, split)
-    wire = "bfloat16"
-    link_ms = profile.output_elements[split - 1] * WIRE_DTYPES[wire].itemsize / profile.bandwidth * 1e3
+    alone_ms = storage_parts_ms(profile, split)
+    link_ms = profile.output_elements[split - 1] * WIRE_DTYPES[ANCHOR_DTYPE].itemsize / profile.bandwidth * 1e3
     if link_ms > alone_ms * 0.8:
-        log.info("node contention not measured: the link would pace the requests (%.1f ms vs %.1f ms a sample)",
+        log.info("node pace not measured: the link would pace the requests (%.1f ms vs %.1f ms a sample)",
                  link_ms, alone_ms)
         return None
-    paced_ms = node_pace_ms(client, template, samples, split, wire, batch_size, depth)
-    log.info("node contention at split %d: %.1f ms a sample overlapped, %.1f ms timed alone",
+    paced_ms = node_pace_ms(client, template, samples, split, ANCHOR_DTYPE, batch_size, depth)
+    log.info("node at split %d: %.1f ms a sample with requests overlapping, %.1f ms its parts timed alone",
              split, paced_ms, alone_ms)
-    return paced_ms / alone_ms
+    return split, paced_ms
 
 
 def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Candidate]], client: StorageClient,
                     template: ExtractRequest, samples: Sequence[Sample], batch_size: int, depth: int) -> Profile:
     """The profile with the node's pace measured at the planner's contenders: where the
-    prediction is close, the node's time at the split itself decides, not its parts' sum.
-    A contender timed slower can leave a new one in front; it is timed in a second round."""
+    prediction is close, the node's time at the split itself decides, not the model. A
+    contender timed slower can leave a new one in front; it is timed in a second round.
+    The anchor is timed again after them, and the two readings averaged: the machine's
+    drift over the trials then moves the model and the trials alike."""
+    timed_any = False
     for _ in range(TRIAL_ROUNDS):
+        picked = contenders(profile, options_for(profile))
         paces = []
-        for c in contenders(profile, options_for(profile)):
-            pace = node_pace_ms(client, template, samples, c.split, c.dtype, batch_size, depth)
-            log.info("node at %s: %.1f ms a sample in steady state (predicted storage %.1f, network %.1f)",
-                     c.label, pace, c.storage_ms, c.transfer_ms)
-            paces.append((c.split, c.dtype, pace))
+        for _ in range(TRIAL_READINGS):
+            for c in picked:
+                pace = node_pace_ms(client, template, samples, c.split, c.dtype, batch_size, depth)
+                log.info("node at %s: %.1f ms a sample in steady state (predicted storage %.1f, network %.1f)",
+                         c.label, pace, c.storage_ms, c.transfer_ms)
+                paces.append((c.split, c.dtype, pace))
         if not paces:
             break
+        timed_any = True
         profile = replace(profile, node_paces=profile.node_paces + tuple(paces))
+    if timed_any and profile.node_anchor is not None:
+        split, first_ms = profile.node_anchor
+        again_ms = node_pace_ms(client, template, samples, split, ANCHOR_DTYPE, batch_size, depth)
+        log.info("node at split %d again: %.1f ms a sample (%.1f before the trials)", split, again_ms, first_ms)
+        profile = replace(profile, node_anchor=(split, (first_ms + again_ms) / 2))
     return profile
 
 
@@ -164,9 +177,10 @@ def measure_profile(model: StagedModel, client: StorageClient, store: ObjectStor
     """Both tiers' stage times (from a saved profile when one matches) and a fresh link probe.
 
     Stage times depend on the hardware, model and input size, and are saved under
-    ``profiles_dir``; the bandwidth, the node's contention, the compute tier's reads from
-    ``store`` and the raw object size change, and are measured anew; the contention with
-    ``depth`` requests in flight, as the run will.
+    ``profiles_dir``; the bandwidth, the node's anchoring pace, the compute tier's reads from
+    ``store`` and the raw object size change, and are measured anew; the node's pace with
+    ``depth`` requests in flight, as the run will. A saved profile that no longer loads
+    (written by another version) is measured again.
     """
     input_size = template.transform.crop_size
     probes = probe_link(client, template, samples[:8])
@@ -175,8 +189,9 @@ def measure_profile(model: StagedModel, client: StorageClient, store: ObjectStor
     compute_host = host_name()
     node = client.url
     saved = profiles_dir / f"{model.spec.name}-{input_size}-b{batch_size}-{_digest(node, compute_host)}.json"
-    if saved.is_file() and not refresh:
-        profile = replace(Profile.from_json(saved.read_text()), raw_bytes=raw_bytes, bandwidth=bandwidth)
+    profile = None if refresh else _load(saved)
+    if profile is not None:
+        profile = replace(profile, raw_bytes=raw_bytes, bandwidth=bandwidth)
         log.info("stage times from %s", saved)
     else:
         storage = storage_tier_times(client, template, batch_size, probes)
@@ -188,7 +203,17 @@ def measure_profile(model: StagedModel, client: StorageClient, store: ObjectStor
         log.info("profile saved to %s", saved)
     reads_ms, reads_cpu_ms = raw_reads_ms(store, samples)
     return replace(profile, compute=replace(profile.compute, fetch_ms=reads_ms, fetch_cpu_ms=reads_cpu_ms),
-                   storage_contention=storage_contention(client, template, samples, profile, batch_size, depth))
+                   node_anchor=node_anchor(client, template, samples, profile, batch_size, depth))
+
+
+def _load(saved: Path) -> Profile | None:
+    try:
+        return Profile.from_json(saved.read_text())
+    except FileNotFoundError:
+        return None
+    except (TypeError, KeyError, ValueError) as exc:
+        log.warning("measuring again: %s does not load (%s)", saved, exc)
+        return None
 
 
 def _digest(*parts: str) -> str:

@@ -110,10 +110,11 @@ class Replanner:
         if self.chosen.split != ALL_IN_COMPUTE and self.chosen.storage_ms > 0:
             # Scale the node's stage times by how much slower (busier) it measured than planned.
             scale = (w.storage_ms / w.samples) / self._evaluate(self.profile, self.chosen).storage_ms
-            storage = self.profile.storage
+            storage, anchor = self.profile.storage, self.profile.node_anchor
             profile = replace(profile, storage=replace(
                 storage, decode_ms=storage.decode_ms * scale,
-                forward_ms=tuple(ms * scale for ms in storage.forward_ms)))
+                forward_ms=tuple(ms * scale for ms in storage.forward_ms)),
+                node_anchor=anchor and (anchor[0], anchor[1] * scale))
         self.profile = profile
         current = self._evaluate(profile, self.chosen)
         best = choose(candidates(profile, self.batch_size, self.samples, self.dtypes, request_size=self.request_size))

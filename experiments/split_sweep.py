@@ -15,11 +15,12 @@ pipeline would be flattered by work fetched before the clock started.
 Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's patches stay
 16 px), batch 8, 4 warm-up + 4 timed iterations per candidate (+ 4 in flight when the clock
 stops), bandwidths 5-100 Mbit/s.
-A candidate 2x slower than the best so far is stopped there; candidates within 20% of the
-best, and the planner's choice, are timed again over 12 iterations and keep that time.
+A candidate 1.6x slower than the best so far is stopped there; candidates within 20% of the
+best, and the planner's choice, are timed again over 10 iterations and keep that time.
 When another candidate than the choice is the fastest, both are timed again, alternately,
-to 3 long windows each, and keep the median (the fastest of many noisy candidates is
-flattered by its luck). Every long window is kept in the CSV.
+to 3 long windows each (5 when the medians put the choice within 5% of the 5% line), and
+keep the median (the fastest of many noisy candidates is flattered by its luck). Every
+long window is kept in the CSV.
 
     sudo python -m experiments.split_sweep [--quick] [--models ...] [--bandwidths 5,25,100]
 """
@@ -58,13 +59,17 @@ FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage"
           "measured_ms", "timed_iterations", "long_windows_ms", "stopped_early", "chosen", "bottleneck")
 # A candidate slower than this many times the best so far is stopped, or not started when
 # its bytes alone would take that long on the link; a lower bound is kept either way.
-GIVE_UP_FACTOR = 2
+GIVE_UP_FACTOR = 1.6
 # Candidates within this factor of the best are timed again over a long window.
 RETIME_WITHIN = 1.2
 # The verdict on the choice rests on this many long windows of it and of the fastest other
 # candidate: the fastest of many noisy candidates is flattered by its luck (the winner's
-# curse), and one window of each would count that luck against the planner.
+# curse), and one window of each would count that luck against the planner. A close call,
+# whose medians put the choice within CLOSE_CALL of the 5% line either way, gets
+# CLOSE_CALL_WINDOWS of each.
 CONFIRM_WINDOWS = 3
+CLOSE_CALL = 0.05
+CLOSE_CALL_WINDOWS = 5
 # The planner is asked about a long epoch, where fill and drain vanish: the sweep times the
 # steady state.
 STEADY_STATE_SAMPLES = 100_000
@@ -111,8 +116,8 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     profile = time_contenders(profile, options_for, client, template, samples, args.batch_size, args.depth)
     options = options_for(profile)
     chosen = choose(options)
-    logging.info("%s %s Mbit/s: contention %s, compute-tier reads %.2f ms/sample (%.2f of client CPU)\n%s", name,
-                 bandwidth, profile.storage_contention, profile.compute.fetch_ms, profile.compute.fetch_cpu_ms,
+    logging.info("%s %s Mbit/s: node anchor %s, compute-tier reads %.2f ms/sample (%.2f of client CPU)\n%s", name,
+                 bandwidth, profile.node_anchor, profile.compute.fetch_ms, profile.compute.fetch_cpu_ms,
                  explain(profile, options, chosen))
     batches = batches_of(samples, args.batch_size)
 
@@ -176,14 +181,21 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     # the fastest is the choice or has been confirmed.
     by_label = {c.label: (row, c) for row, c in zip(rows, order)}
     mine = by_label[chosen.label]
+
+    def windows_needed(fastest: dict) -> int:
+        regret = mine[0]["measured_ms"] / fastest["measured_ms"] - 1
+        confirmed = min(windows(mine[0]), windows(fastest)) >= CONFIRM_WINDOWS
+        return CLOSE_CALL_WINDOWS if confirmed and abs(regret - 0.05) < CLOSE_CALL else CONFIRM_WINDOWS
+
     while mine[0]["timed_iterations"]:  # a choice stopped early is a miss without a verdict
         fastest = min((pair for pair in by_label.values() if pair[0]["timed_iterations"]),
                       key=lambda pair: pair[0]["measured_ms"])
-        if fastest is mine or windows(fastest[0]) >= CONFIRM_WINDOWS:
+        needed = windows_needed(fastest[0])
+        if fastest is mine or windows(fastest[0]) >= needed:
             break
-        while windows(fastest[0]) < CONFIRM_WINDOWS:
+        while windows(fastest[0]) < needed:
             for row, c in (mine, fastest):
-                if windows(row) < CONFIRM_WINDOWS:
+                if windows(row) < needed:
                     retime(row, c)
     return rows
 
@@ -227,7 +239,7 @@ def main() -> int:
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
-    p.add_argument("--long-iterations", type=int, default=12,
+    p.add_argument("--long-iterations", type=int, default=10,
                    help="timed iterations of the contenders for best, and of the choice")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="requests in flight, as in hapi.train")
     p.add_argument("--warmup", type=int, help="iterations before the clock starts (default: the depth)")

@@ -4,8 +4,9 @@ Storage compute, transfer and compute-side training work on different batches at
 same time, so in steady state an iteration costs its slowest stage, not their sum; the
 first batch pays for all three (fill) before the pipeline runs. Per sample:
 
-    storage(s)  = (fetch + decode + forward of stages [0, s) on the storage tier)
-                  x the node's measured contention under overlapping requests (1 unmeasured);
+    storage(s)  = the node's pace measured with requests overlapping at an anchor split a,
+                  + forward of stages [0, s) - forward of stages [0, a) on the storage tier
+                  (unmeasured: fetch + decode + forward of [0, s), each timed alone);
                   for the contenders, the node's pace measured at s itself (``node_paces``)
     transfer(s) = bytes of stage s-1's output in the wire dtype / bandwidth
     compute(s)  = forward of frozen stages [s, freeze) + train step of [freeze, end)
@@ -28,10 +29,13 @@ ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to th
 FLOAT32_BYTES = 4
 # Pushdown candidates predicted within this factor of the best are timed on the node itself
 # before the choice (at most TRIALS of them a round, for TRIAL_ROUNDS rounds: a contender
-# timed slower can bring another within reach), unless the link clearly paces them.
+# timed slower can bring another within reach), unless the link clearly paces them. Each
+# gets TRIAL_READINGS readings, taken in turn with the round's others, so that a drift of
+# the machine in the meantime falls on all of them.
 TRIAL_WITHIN = 1.25
 TRIALS = 2
 TRIAL_ROUNDS = 2
+TRIAL_READINGS = 2
 LINK_BOUND = 1.5  # transfer / storage above which the link, not the node, sets a split's pace
 
 
@@ -66,10 +70,22 @@ class Candidate:
         return "all-in-compute" if self.split == ALL_IN_COMPUTE else f"split {self.split} {self.dtype}"
 
 
-def storage_work_ms(profile: Profile, split: int) -> float:
+def storage_parts_ms(profile: Profile, split: int) -> float:
     """The storage node's work per sample for a split, from its parts timed one at a time."""
     storage = profile.storage
     return storage.fetch_ms + storage.decode_ms + sum(storage.forward_ms[:split])
+
+
+def storage_work_ms(profile: Profile, split: int) -> float:
+    """The storage node's time per sample for a split with requests overlapping: its pace at
+    the anchor, plus the difference in forward time. The forward times repeat closely from
+    run to run; the fetch timed alone does not (and overlaps other work in training), so it
+    enters only through the anchor's pace. At least the decode and forward remain."""
+    if profile.node_anchor is None:
+        return storage_parts_ms(profile, split)
+    anchor, pace_ms = profile.node_anchor
+    forward = profile.storage.forward_ms
+    return max(pace_ms - sum(forward[:anchor]), profile.storage.decode_ms) + sum(forward[:split])
 
 
 def _compute_memory(profile: Profile, split: int, batch_size: int) -> float:
@@ -101,7 +117,7 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
         storage_ms = profile.node_pace(split, dtype)
         if storage_ms is None:
-            storage_ms = storage_work_ms(profile, split) * (profile.storage_contention or 1.0)
+            storage_ms = storage_work_ms(profile, split)
         compute_ms = frozen_here + compute.train_ms + storage.request_ms / request_size
     transfer_ms = per_sample / profile.bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)

@@ -139,19 +139,21 @@ class Profile:
     compute: TierTimes
     raw_bytes: float  # mean encoded object size per sample
     bandwidth: float  # bytes/s between the tiers
-    # The storage node's work per request with requests overlapping, as in training (its
-    # fetches, decodes and forwards share its cores), over the sum of its parts timed alone;
-    # None where it could not be measured (the link, not the node, would pace its requests).
-    storage_contention: float | None = None
-    # (split, wire dtype, ms per sample): the pace at which the node served requests at that
-    # split, replies crossing the link, in steady state. Measured for the planner's
-    # contenders, where the parts' sum can miss what the node's work and its sending cost
-    # each other; like the contention, measured anew for each run.
+    # (split, ms per sample): the node's pace with requests overlapping as in training (its
+    # fetches, decodes and forwards share its cores), at a split whose replies the link does
+    # not pace; None where it could not be measured. The planner anchors its model of the
+    # node here.
+    node_anchor: tuple[int, float] | None = None
+    # (split, wire dtype, ms per sample) readings of the pace at which the node served
+    # requests at that split, replies crossing the link, in steady state. Taken for the
+    # planner's contenders, where the model can miss what the node's work and its sending
+    # cost each other; like the anchor, measured anew for each run.
     node_paces: tuple[tuple[int, str, float], ...] = ()
 
     def node_pace(self, split: int, dtype: str) -> float | None:
-        """The node's pace timed at this split and wire dtype, if it was."""
-        return next((ms for s, d, ms in self.node_paces if (s, d) == (split, dtype)), None)
+        """The node's pace timed at this split and wire dtype (median of the readings), if it was."""
+        readings = [ms for s, d, ms in self.node_paces if (s, d) == (split, dtype)]
+        return statistics.median(readings) if readings else None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -161,8 +163,10 @@ class Profile:
         body = json.loads(text)
         for tier in ("storage", "compute"):
             body[tier] = TierTimes(**{**body[tier], "forward_ms": tuple(body[tier]["forward_ms"])})
+        anchor = body.get("node_anchor")
         return cls(**{**body, "stage_names": tuple(body["stage_names"]),
                       "output_elements": tuple(body["output_elements"]),
+                      "node_anchor": tuple(anchor) if anchor else None,
                       "node_paces": tuple(tuple(pace) for pace in body.get("node_paces", ()))})
 
 
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="batch size the stages are timed at")
     parser.add_argument("--profiles-dir", type=Path, help="default: CACHE/profiles")
     parser.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
-                        help="requests in flight while the node's contention is measured, as in hapi.train")
+                        help="requests in flight while the node's pace is measured, as in hapi.train")
     deployment.add_arguments(parser, default_cache_dir())
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -211,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
           f"object fetch {profile.storage.fetch_ms:.2f} ms/sample on the node, {profile.compute.fetch_ms:.2f} across "
           f"the link ({profile.compute.fetch_cpu_ms:.2f} of client CPU); request {profile.storage.request_ms:.1f} ms; "
           f"training step {profile.compute.train_ms:.2f} ms/sample; with requests overlapping the node works "
-          + (f"{profile.storage_contention:.2f}x as long" if profile.storage_contention is not None
-             else "(not measured: the link would pace its requests)"))
+          + (f"{profile.node_anchor[1]:.2f} ms/sample at split {profile.node_anchor[0]}" if profile.node_anchor
+             else "at a pace not measured (the link would set it)"))
     print(f"{'stage':4s} {'name':20s} {'output KB':>10s} {'storage ms':>11s} {'compute ms':>11s}   (per sample)")
     for i in range(profile.freeze_index):
         print(f"{i:4d} {profile.stage_names[i]:20s} {profile.output_elements[i] * 4 / 1e3:10.1f} "

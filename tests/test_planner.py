@@ -56,13 +56,20 @@ def test_a_slow_compute_tier_pushes_every_frozen_stage_down() -> None:
     assert best.split == 4 and best.compute_ms == pytest.approx(0.5)
 
 
-def test_a_node_slowed_by_overlapping_requests_ships_more_bytes_instead() -> None:
+def test_the_node_is_modelled_from_its_pace_at_the_anchor_not_its_parts_alone() -> None:
     p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
-    assert choose(candidates(p, 32, 1000)).split == 3  # storage 100 ms, network 8 ms, compute 40.5 ms
-    contended = replace(p, storage_contention=2.0)
-    assert evaluate(contended, 3, "float32", 32, 1000).storage_ms == pytest.approx(200.0)
-    best = choose(candidates(contended, 32, 1000))
-    assert best.split == 2 and best.bottleneck == "storage"  # 2 x 70 ms beats 2 x 100 ms, bytes or not
+    assert choose(candidates(p, 32, 1000)).split == 3  # parts alone: storage 100 ms, network 8 ms, compute 40.5 ms
+    # Overlapped, the node took 200 ms a sample at split 4, whose forward is 120 ms: 80 ms of
+    # fetching and decoding, whatever the fetch timed alone said. Split 3: 80 + 90 ms.
+    anchored = replace(p, node_anchor=(4, 200.0))
+    noisy_fetch = replace(anchored, storage=replace(anchored.storage, fetch_ms=50.0))
+    for q in (anchored, noisy_fetch):
+        assert evaluate(q, 3, "float32", 32, 1000).storage_ms == pytest.approx(170.0)
+        best = choose(candidates(q, 32, 1000))
+        assert best.split == 2 and best.bottleneck == "storage"  # 140 ms beats 170, bytes or not
+    # A pace below the anchor's forward time still leaves the decode to do.
+    fast = replace(p, node_anchor=(4, 100.0))
+    assert evaluate(fast, 3, "float32", 32, 1000).storage_ms == pytest.approx(10.0 + 90.0)
 
 
 def test_the_node_timed_at_a_contender_outweighs_the_sum_of_its_parts() -> None:
@@ -77,6 +84,9 @@ def test_the_node_timed_at_a_contender_outweighs_the_sum_of_its_parts() -> None:
     assert "200.00*" in explain(timed, candidates(timed, 32, 1000), evaluate(timed, 2, "float32", 32, 1000))
     # Split 3 is not timed again; split 4, now within reach of the best, is next.
     assert [c.split for c in contenders(timed, candidates(timed, 32, 1000))] == [4]
+    # Readings of one split count by their median: one slow reading does not decide.
+    again = replace(timed, node_paces=timed.node_paces + ((3, "float32", 90.0), (3, "float32", 95.0)))
+    assert evaluate(again, 3, "float32", 32, 1000).storage_ms == pytest.approx(95.0)
 
 
 def test_among_near_ties_the_pipeline_with_slack_wins() -> None:
@@ -134,5 +144,5 @@ def test_explain_lists_every_candidate_and_marks_the_choice() -> None:
 
 
 def test_profile_round_trips_through_json() -> None:
-    p = replace(profile(bandwidth=1e6), storage_contention=1.3, node_paces=((3, "float32", 12.5),))
+    p = replace(profile(bandwidth=1e6), node_anchor=(4, 13.0), node_paces=((3, "float32", 12.5),))
     assert Profile.from_json(p.to_json()) == p
