@@ -5,19 +5,22 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
 from compute_side.client import Extracted, StorageClient
+from compute_side.loader import Batch, PipelinedLoader, Source, batches_of
 from compute_side.sources import IO_THREADS
 from hapi.datasets import Sample
 from hapi.models import StagedModel
-from hapi.planner import TRIAL_READINGS, TRIAL_ROUNDS, Candidate, contenders, storage_parts_ms
+from hapi.planner import TRIAL_ITERATIONS, TRIAL_READINGS, TRIAL_ROUNDS, Candidate, contenders, storage_parts_ms
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
 from hapi.store import ObjectStore
 from hapi.wire import WIRE_DTYPES, ExtractRequest, ProfileRequest
@@ -142,32 +145,61 @@ def node_anchor(client: StorageClient, template: ExtractRequest, samples: Sequen
     return split, paced_ms
 
 
-def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Candidate]], client: StorageClient,
-                    template: ExtractRequest, samples: Sequence[Sample], batch_size: int, depth: int) -> Profile:
-    """The profile with the node's pace measured at the planner's contenders: where the
-    prediction is close, the node's time at the split itself decides, not the model. A
-    contender timed slower can leave a new one in front; it is timed in a second round.
-    The anchor is timed again after them, and the two readings averaged: the machine's
-    drift over the trials then moves the model and the trials alike."""
-    timed_any = False
+def train_pace_ms(loader: PipelinedLoader, train_step: Callable[[Batch], object], batches: Sequence[Sequence[Sample]],
+                  warmup: int, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
+    """(milliseconds per iteration of ``loader`` feeding ``train_step`` in steady state;
+    stopped early).
+
+    The clock runs from the end of iteration ``warmup`` to the end of iteration ``warmup +
+    timed``; ``batches`` should hold the loader's depth more, so that the window ends with
+    the pipeline still full (a drained pipeline would have fetched part of the window's work
+    before the clock started, and flatter it). A run that has spent ``give_up_ms`` per
+    iteration stops there, and its time so far is kept as a lower bound.
+    """
+    first = time.perf_counter()
+    started = first
+    with closing(loader.epoch(batches, epoch=0)) as stream:  # closing waits for the requests in flight
+        for i, batch in enumerate(stream):
+            train_step(batch)
+            now = time.perf_counter()
+            if i == warmup - 1:  # the clock covers waiting for and training each timed batch
+                started = now
+            if now - first > give_up_ms / 1e3 * (warmup + timed):
+                return (now - first) * 1e3 / (i + 1), True
+            if i == warmup + timed - 1:
+                return (now - started) * 1e3 / timed, False
+    raise ValueError(f"{len(batches)} batches cannot cover {warmup} warm-up and {timed} timed iterations")
+
+
+def trial_ms(source: Source, train_step: Callable[[Batch], object], samples: Sequence[Sample], batch_size: int,
+             request_size: int, depth: int) -> float:
+    """Per sample, the pace of a short training run from ``source``: ``TRIAL_ITERATIONS``
+    timed once the pipeline is full, as many in flight when the clock stops."""
+    fill = max(1, math.ceil(max(depth, 1) / math.ceil(batch_size / request_size)))  # batches in flight
+    needed = (2 * fill + TRIAL_ITERATIONS) * batch_size
+    batches = batches_of(list(itertools.islice(itertools.cycle(samples), needed)), batch_size)
+    ms, _ = train_pace_ms(PipelinedLoader(source, request_size, depth), train_step, batches, fill, TRIAL_ITERATIONS)
+    return ms / batch_size
+
+
+def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Candidate]],
+                    try_candidate: Callable[[Candidate], float]) -> Profile:
+    """The profile with trial runs at the planner's contenders (``try_candidate``: ms per
+    sample): where the model's ranking is close, a run of each decides. A contender tried
+    slower can leave a new one in front; it is tried in a second round."""
     for _ in range(TRIAL_ROUNDS):
-        picked = contenders(profile, options_for(profile))
+        picked = contenders(options_for(profile))
         paces = []
         for _ in range(TRIAL_READINGS):
             for c in picked:
-                pace = node_pace_ms(client, template, samples, c.split, c.dtype, batch_size, depth)
-                log.info("node at %s: %.1f ms a sample in steady state (predicted storage %.1f, network %.1f)",
-                         c.label, pace, c.storage_ms, c.transfer_ms)
+                pace = try_candidate(c)
+                log.info("trial of %s: %.1f ms a sample (predicted %.1f: storage %.1f, network %.1f, compute %.1f)",
+                         c.label, pace, max(c.storage_ms, c.transfer_ms, c.compute_ms), c.storage_ms,
+                         c.transfer_ms, c.compute_ms)
                 paces.append((c.split, c.dtype, pace))
         if not paces:
             break
-        timed_any = True
-        profile = replace(profile, node_paces=profile.node_paces + tuple(paces))
-    if timed_any and profile.node_anchor is not None:
-        split, first_ms = profile.node_anchor
-        again_ms = node_pace_ms(client, template, samples, split, ANCHOR_DTYPE, batch_size, depth)
-        log.info("node at split %d again: %.1f ms a sample (%.1f before the trials)", split, again_ms, first_ms)
-        profile = replace(profile, node_anchor=(split, (first_ms + again_ms) / 2))
+        profile = replace(profile, trial_paces=profile.trial_paces + tuple(paces))
     return profile
 
 

@@ -63,10 +63,10 @@ class Replanner:
     def __init__(self, profile: Profile, chosen: Candidate, batch_size: int, samples: int,
                  dtypes: tuple[str, ...], every: int = 8, min_gain: float = 0.15,
                  request_size: int | None = None) -> None:
-        # Paces timed across the link as it was go stale when it changes; the node's times
+        # Trials ran across the link as it was and go stale when it changes; the node's times
         # measured in training correct the model instead (see _replan).
         self.profile = replace(profile, compute=replace(profile.compute, fetch_ms=reads_beyond_link_ms(profile)),
-                               node_paces=())
+                               trial_paces=())
         self.chosen = chosen
         self.batch_size = batch_size
         self.samples = samples

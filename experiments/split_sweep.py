@@ -33,15 +33,14 @@ import logging
 import statistics
 import sys
 import tempfile
-import time
-from contextlib import closing
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from compute_side.client import StorageClient
-from compute_side.loader import PipelinedLoader, batches_of
-from compute_side.profiling import measure_profile, time_contenders
+from compute_side.loader import Batch, PipelinedLoader, Source, batches_of
+from compute_side.profiling import measure_profile, time_contenders, train_pace_ms, trial_ms
 from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
@@ -56,7 +55,7 @@ from hapi.wire import ExtractRequest
 RESULTS = Path(__file__).parent / "results" / "split_sweep"
 PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
 FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage", "bytes_per_sample", "predicted_ms",
-          "measured_ms", "timed_iterations", "long_windows_ms", "stopped_early", "chosen", "bottleneck")
+          "measured_ms", "timed_iterations", "long_windows_ms", "stopped_early", "chosen", "bottleneck", "tried")
 # A candidate slower than this many times the best so far is stopped, or not started when
 # its bytes alone would take that long on the link; a lower bound is kept either way.
 GIVE_UP_FACTOR = 1.6
@@ -75,32 +74,6 @@ CLOSE_CALL_WINDOWS = 5
 STEADY_STATE_SAMPLES = 100_000
 
 
-def time_candidate(loader: PipelinedLoader, trainer: HeadTrainer, batches: list, warmup: int, timed: int,
-                   give_up_ms: float) -> tuple[float, bool]:
-    """(milliseconds per iteration in steady state; stopped early).
-
-    The clock runs from the end of iteration ``warmup`` to the end of iteration ``warmup +
-    timed``; ``batches`` holds a pipeline's depth more, so the timed window ends with the
-    pipeline still full (a drained pipeline would have fetched part of the window's work
-    before the clock started, and flatter it). A candidate that has spent ``give_up_ms``
-    per iteration cannot be the best one: it stops there, and its time so far is kept as a
-    lower bound.
-    """
-    first = time.perf_counter()
-    started = first
-    with closing(loader.epoch(batches, epoch=0)) as stream:  # closing waits for the requests in flight
-        for i, batch in enumerate(stream):
-            trainer.train_step(batch.features, batch.labels, batch.split)
-            now = time.perf_counter()
-            if i == warmup - 1:  # the clock covers waiting for and training each timed batch
-                started = now
-            if now - first > give_up_ms / 1e3 * (warmup + timed):
-                return (now - first) * 1e3 / (i + 1), True
-            if i == warmup + timed - 1:
-                return (now - started) * 1e3 / timed, False
-    raise ValueError(f"{len(batches)} batches cannot cover {warmup} warm-up and {timed} timed iterations")
-
-
 def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list, args: argparse.Namespace,
                 bandwidth: float, profiles_dir: Path) -> list[dict]:
     model = build_model(name, input_size=args.image_size)
@@ -113,7 +86,15 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     def options_for(p: Profile) -> list[Candidate]:
         return candidates(p, args.batch_size, STEADY_STATE_SAMPLES)
 
-    profile = time_contenders(profile, options_for, client, template, samples, args.batch_size, args.depth)
+    def source_for(c: Candidate) -> Source:
+        return (RawObjectSource(store, transform) if c.split == ALL_IN_COMPUTE else
+                PushdownSource([client], replace(template, split=c.split, dtype=c.dtype)))
+
+    def step(batch: Batch) -> None:
+        trainer.train_step(batch.features, batch.labels, batch.split)
+
+    profile = time_contenders(profile, options_for, lambda c: trial_ms(source_for(c), step, samples, args.batch_size,
+                                                                       args.batch_size, args.depth))
     options = options_for(profile)
     chosen = choose(options)
     logging.info("%s %s Mbit/s: node anchor %s, compute-tier reads %.2f ms/sample (%.2f of client CPU)\n%s", name,
@@ -122,10 +103,8 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     batches = batches_of(samples, args.batch_size)
 
     def measure(c: Candidate, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
-        source = (RawObjectSource(store, transform) if c.split == ALL_IN_COMPUTE else
-                  PushdownSource([client], ExtractRequest(**{**template.__dict__, "split": c.split})))
-        return time_candidate(PipelinedLoader(source, args.batch_size, args.depth), trainer,
-                              batches[: args.warmup + timed + args.depth], args.warmup, timed, give_up_ms)
+        return train_pace_ms(PipelinedLoader(source_for(c), args.batch_size, args.depth), step,
+                             batches[: args.warmup + timed + args.depth], args.warmup, timed, give_up_ms)
 
     rows = []
     best_ms = float("inf")  # per iteration
@@ -148,7 +127,7 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
                      "predicted_ms": round(c.epoch_s * 1e3 / STEADY_STATE_SAMPLES * args.batch_size, 1),
                      "measured_ms": round(measured, 1), "timed_iterations": 0 if stopped else args.iterations,
                      "long_windows_ms": "", "stopped_early": stopped, "chosen": c == chosen,
-                     "bottleneck": c.bottleneck})
+                     "bottleneck": c.bottleneck, "tried": c.trial_ms is not None})
         logging.info("%s %s Mbit/s %-20s predicted %7.1f measured %s%7.1f ms/iter", name, bandwidth, c.label,
                      rows[-1]["predicted_ms"], ">" if stopped else " ", measured)
 
@@ -212,7 +191,8 @@ def summarise(rows: list[dict]) -> str:
     for r in rows:
         cases.setdefault((r["bandwidth_mbit"], r["model"]), []).append(r)
     good, first_good, lines, regret = 0, 0, [], []
-    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows if not r["stopped_early"]]
+    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows
+              if not r["stopped_early"] and not r["tried"]]  # a tried candidate's prediction is its trial
     for (bw, model), case in sorted(cases.items()):
         best = min(case, key=lambda r: r["measured_ms"])
         chosen = next(r for r in case if r["chosen"])
@@ -227,7 +207,7 @@ def summarise(rows: list[dict]) -> str:
                      f"{baseline['measured_ms'] / chosen['measured_ms']:.2f}x")
     lines.append(f"choice best or within 5% of best: {good}/{len(cases)} = {good / len(cases):.1%} "
                  f"({first_good}/{len(cases)} by the first long windows alone, before confirmation); "
-                 f"median prediction error {sorted(errors)[len(errors) // 2]:.0%}; the choice "
+                 f"the cost model's median prediction error {sorted(errors)[len(errors) // 2]:.0%}; the choice "
                  f"{sum(regret) / len(regret):.1%} slower than the best on average, {max(regret):.0%} at worst")
     return "\n".join(lines)
 

@@ -6,8 +6,7 @@ first batch pays for all three (fill) before the pipeline runs. Per sample:
 
     storage(s)  = the node's pace measured with requests overlapping at an anchor split a,
                   + forward of stages [0, s) - forward of stages [0, a) on the storage tier
-                  (unmeasured: fetch + decode + forward of [0, s), each timed alone);
-                  for the contenders, the node's pace measured at s itself (``node_paces``)
+                  (unmeasured: fetch + decode + forward of [0, s), each timed alone)
     transfer(s) = bytes of stage s-1's output in the wire dtype / bandwidth
     compute(s)  = forward of frozen stages [s, freeze) + train step of [freeze, end)
                   + a request's fixed cost / samples per request
@@ -15,7 +14,10 @@ first batch pays for all three (fill) before the pipeline runs. Per sample:
                   their client CPU + decode + every frozen stage + train step)
     epoch(s)    = N x max(storage, transfer, compute) + B x (sum - max)
 
-Splits whose compute-side memory for one batch exceeds the budget are dropped.
+Splits whose compute-side memory for one batch exceeds the budget are dropped. Where the
+ranking is close, the model only shortlists: each contender is tried, a short training
+run with its pipeline full, and the pace it measured (``trial_paces``) replaces the
+steady-state max for it.
 """
 
 from __future__ import annotations
@@ -27,16 +29,17 @@ from hapi.wire import WIRE_DTYPES
 
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
 FLOAT32_BYTES = 4
-# Pushdown candidates predicted within this factor of the best are timed on the node itself
-# before the choice (at most TRIALS of them a round, for TRIAL_ROUNDS rounds: a contender
-# timed slower can bring another within reach), unless the link clearly paces them. Each
-# gets TRIAL_READINGS readings, taken in turn with the round's others, so that a drift of
-# the machine in the meantime falls on all of them.
+# Candidates predicted within this factor of the best are tried before the choice (at most
+# TRIALS of them a round, for TRIAL_ROUNDS rounds: a contender tried slower can bring
+# another within reach), unless the link clearly paces them. Each gets TRIAL_READINGS
+# readings, taken in turn with the round's others, so that a drift of the machine in the
+# meantime falls on all of them.
 TRIAL_WITHIN = 1.25
 TRIALS = 2
 TRIAL_ROUNDS = 2
 TRIAL_READINGS = 2
-LINK_BOUND = 1.5  # transfer / storage above which the link, not the node, sets a split's pace
+TRIAL_ITERATIONS = 6  # timed iterations of a trial, once its pipeline is full
+LINK_BOUND = 1.5  # transfer / the slowest other stage, above which the link sets a candidate's pace
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,14 @@ class Candidate:
     compute_memory: float  # bytes for one batch on the compute tier
     epoch_s: float
     feasible: bool
+    trial_ms: float | None = None  # per sample, the pace a trial run measured; it sets epoch_s
+
+    @property
+    def link_paced(self) -> bool:
+        """The link clearly sets the pace: the model has it from the probe, no trial needed.
+        All-in-compute's reads cross the link, so only its compute stage is another."""
+        others = [self.compute_ms] if self.split == ALL_IN_COMPUTE else [self.storage_ms, self.compute_ms]
+        return self.transfer_ms > LINK_BOUND * max(others)
 
     @property
     def bottleneck(self) -> str:
@@ -115,16 +126,16 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
-        storage_ms = profile.node_pace(split, dtype)
-        if storage_ms is None:
-            storage_ms = storage_work_ms(profile, split)
+        storage_ms = storage_work_ms(profile, split)
         compute_ms = frozen_here + compute.train_ms + storage.request_ms / request_size
     transfer_ms = per_sample / profile.bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
-    epoch_ms = samples * max(stages) + min(batch_size, samples) * (sum(stages) - max(stages))
+    trial_ms = profile.trial_pace(split, dtype)
+    steady_ms = max(stages) if trial_ms is None else trial_ms
+    epoch_ms = samples * steady_ms + min(batch_size, samples) * (sum(stages) - max(stages))
     memory = _compute_memory(profile, split, batch_size)
     return Candidate(split, dtype, per_sample, storage_ms, transfer_ms, compute_ms, memory,
-                     epoch_ms / 1e3, memory <= compute_memory_budget)
+                     epoch_ms / 1e3, memory <= compute_memory_budget, trial_ms)
 
 
 def candidates(profile: Profile, batch_size: int, samples: int, dtypes: tuple[str, ...] = ("float32",),
@@ -137,17 +148,15 @@ def candidates(profile: Profile, batch_size: int, samples: int, dtypes: tuple[st
     return out
 
 
-def contenders(profile: Profile, options: list[Candidate]) -> list[Candidate]:
-    """The pushdown candidates worth timing on the node before choosing: the fastest
-    predicted, within ``TRIAL_WITHIN`` of the best, not yet timed, whose pace the link does
-    not clearly set."""
+def contenders(options: list[Candidate]) -> list[Candidate]:
+    """The candidates worth a trial run before choosing: the fastest predicted, within
+    ``TRIAL_WITHIN`` of the best, not yet tried, whose pace the link does not clearly set."""
     feasible = [c for c in options if c.feasible]
     if not feasible:
         return []
     best = min(c.epoch_s for c in feasible)
-    near = sorted((c for c in feasible if c.split != ALL_IN_COMPUTE and c.epoch_s <= best * TRIAL_WITHIN
-                   and profile.node_pace(c.split, c.dtype) is None and c.transfer_ms <= LINK_BOUND * c.storage_ms),
-                  key=lambda c: c.epoch_s)
+    near = sorted((c for c in feasible if c.epoch_s <= best * TRIAL_WITHIN and c.trial_ms is None
+                   and not c.link_paced), key=lambda c: c.epoch_s)
     return near[:TRIALS]
 
 
@@ -163,15 +172,15 @@ def choose(options: list[Candidate]) -> Candidate:
 
 
 def explain(profile: Profile, options: list[Candidate], chosen: Candidate) -> str:
-    """The whole table of candidates, one line each; storage times the node was timed at are marked *."""
+    """The whole table of candidates, one line each; a trial's pace is shown beside the model's stages."""
     lines = [f"{'candidate':22s} {'after stage':18s} {'KB/sample':>10s} {'storage':>9s} {'network':>9s} "
-             f"{'compute':>9s} {'epoch s':>9s}  bottleneck   (ms per sample)"]
+             f"{'compute':>9s} {'trial':>9s} {'epoch s':>9s}  bottleneck   (ms per sample)"]
     for c in options:
         stage = "-" if c.split <= 0 else profile.stage_names[c.split - 1]
         mark = "  <- chosen" if c == chosen else ("  (out of memory)" if not c.feasible else "")
-        star = " " if profile.node_pace(c.split, c.dtype) is None else "*"
-        lines.append(f"{c.label:22s} {stage:18s} {c.bytes_per_sample / 1e3:10.1f} {c.storage_ms:8.2f}{star} "
-                     f"{c.transfer_ms:9.2f} {c.compute_ms:9.2f} {c.epoch_s:9.1f}  {c.bottleneck:10s}{mark}")
+        trial = "-" if c.trial_ms is None else f"{c.trial_ms:.2f}"
+        lines.append(f"{c.label:22s} {stage:18s} {c.bytes_per_sample / 1e3:10.1f} {c.storage_ms:9.2f} "
+                     f"{c.transfer_ms:9.2f} {c.compute_ms:9.2f} {trial:>9s} {c.epoch_s:9.1f}  {c.bottleneck:10s}{mark}")
     return "\n".join(lines)
 
 
@@ -180,8 +189,9 @@ def summary(profile: Profile, chosen: Candidate) -> str:
     reduction = profile.raw_bytes / chosen.bytes_per_sample
     where = chosen.label if chosen.split <= 0 else f"{chosen.label} (after {profile.stage_names[chosen.split - 1]})"
     return (f"planner: {where}; predicted per sample storage {chosen.storage_ms:.2f} ms, network "
-            f"{chosen.transfer_ms:.2f} ms, compute {chosen.compute_ms:.2f} ms ({chosen.bottleneck}-bound); "
-            f"{bytes_versus_raw(reduction)} than the raw objects")
+            f"{chosen.transfer_ms:.2f} ms, compute {chosen.compute_ms:.2f} ms ({chosen.bottleneck}-bound)"
+            + ("" if chosen.trial_ms is None else f", tried at {chosen.trial_ms:.2f} ms")
+            + f"; {bytes_versus_raw(reduction)} than the raw objects")
 
 
 def bytes_versus_raw(reduction: float) -> str:

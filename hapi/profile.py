@@ -144,15 +144,14 @@ class Profile:
     # not pace; None where it could not be measured. The planner anchors its model of the
     # node here.
     node_anchor: tuple[int, float] | None = None
-    # (split, wire dtype, ms per sample) readings of the pace at which the node served
-    # requests at that split, replies crossing the link, in steady state. Taken for the
-    # planner's contenders, where the model can miss what the node's work and its sending
-    # cost each other; like the anchor, measured anew for each run.
-    node_paces: tuple[tuple[int, str, float], ...] = ()
+    # (split, wire dtype, ms per sample) readings of a short training run at a candidate
+    # (split -1: all-in-compute), its pipeline full, as the run would train: taken for the
+    # planner's contenders, where the model's ranking is close. Measured anew for each run.
+    trial_paces: tuple[tuple[int, str, float], ...] = ()
 
-    def node_pace(self, split: int, dtype: str) -> float | None:
-        """The node's pace timed at this split and wire dtype (median of the readings), if it was."""
-        readings = [ms for s, d, ms in self.node_paces if (s, d) == (split, dtype)]
+    def trial_pace(self, split: int, dtype: str) -> float | None:
+        """The pace a trial run measured at this candidate (median of the readings), if any."""
+        readings = [ms for s, d, ms in self.trial_paces if (s, d) == (split, dtype)]
         return statistics.median(readings) if readings else None
 
     def to_json(self) -> str:
@@ -167,7 +166,7 @@ class Profile:
         return cls(**{**body, "stage_names": tuple(body["stage_names"]),
                       "output_elements": tuple(body["output_elements"]),
                       "node_anchor": tuple(anchor) if anchor else None,
-                      "node_paces": tuple(tuple(pace) for pace in body.get("node_paces", ()))})
+                      "trial_paces": tuple(tuple(pace) for pace in body.get("trial_paces", ()))})
 
 
 def main(argv: list[str] | None = None) -> int:

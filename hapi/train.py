@@ -10,6 +10,7 @@ the baseline without pushdown: raw objects fetched and run through the whole mod
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ from tqdm import tqdm
 from compute_side import deployment
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.loader import PipelinedLoader, Source, batches_of, epoch_order
-from compute_side.profiling import measure_profile, time_contenders
+from compute_side.profiling import measure_profile, time_contenders, trial_ms
 from compute_side.replan import Replanner
 from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
@@ -180,18 +181,25 @@ class Sources:
                 PushdownSource(self.clients, replace(train, transform=self.eval_transform)))
 
 
-def plan(args: argparse.Namespace, model: StagedModel, client: StorageClient, store: ObjectStore,
-         template: ExtractRequest, samples: tuple[Sample, ...]) -> tuple[Profile, list[Candidate], Candidate]:
-    """Profile both tiers (stage times cached per hardware), time the node at the close
-    contenders, and choose the split."""
-    profile = measure_profile(model, client, store, template, samples, min(args.batch_size, PROFILE_BATCH),
+def plan(args: argparse.Namespace, model: StagedModel, clients: list[StorageClient], store: ObjectStore,
+         template: ExtractRequest, samples: tuple[Sample, ...], sources: Sources,
+         trainer: HeadTrainer) -> tuple[Profile, list[Candidate], Candidate]:
+    """Profile both tiers (stage times cached per hardware), try the close contenders, and
+    choose the split."""
+    profile = measure_profile(model, clients[0], store, template, samples, min(args.batch_size, PROFILE_BATCH),
                               args.cache_dir / "profiles", args.depth, refresh=args.refresh_profile)
 
     def options_for(p: Profile) -> list[Candidate]:
         return candidates(p, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
 
-    request_size = min(args.request_size, args.batch_size)
-    profile = time_contenders(profile, options_for, client, template, samples, request_size, args.depth)
+    trial_trainer = copy.deepcopy(trainer)  # trials train a copy: they never change what the run learns
+
+    def try_candidate(c: Candidate) -> float:
+        return trial_ms(sources.build(c.split, c.dtype)[0],
+                        lambda batch: trial_trainer.train_step(batch.features, batch.labels, batch.split),
+                        samples, args.batch_size, args.request_size, args.depth)
+
+    profile = time_contenders(profile, options_for, try_candidate)
     options = options_for(profile)
     return profile, options, choose(options)
 
@@ -245,9 +253,10 @@ def main(args: argparse.Namespace) -> int:
         clients = ([] if fixed_split == ALL_IN_COMPUTE else
                    stack.enter_context(deployment.storage_nodes(args, store_url)))
         store = open_store(store_url, args.endpoint_url)
+        sources = Sources(clients, store, template, eval_transform)
         replanner = None
         if fixed_split is None:
-            profile, options, chosen = plan(args, model, clients[0], store, template, train_samples)
+            profile, options, chosen = plan(args, model, clients, store, template, train_samples, sources, trainer)
             print(summary(profile, chosen))
             if args.explain:
                 print(explain(profile, options, chosen))
@@ -257,7 +266,6 @@ def main(args: argparse.Namespace) -> int:
                                       request_size=args.request_size)
         else:
             split, dtype = fixed_split, args.dtype
-        sources = Sources(clients, store, template, eval_transform)
         train_loader = PipelinedLoader(sources.build(split, dtype)[0], args.request_size, args.depth)
         val_loader = PipelinedLoader(sources.build(split, dtype)[1], args.request_size, args.depth)
         print(f"HAPI: {args.model}, {describe_split(model, split)} (freeze index {model.spec.freeze_index}); "

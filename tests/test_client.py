@@ -19,10 +19,14 @@ import torch
 from compute_side import daemon_process
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
-from compute_side.profiling import measure_profile, node_anchor, steady_pace_ms, time_contenders
+from compute_side.profiling import measure_profile, node_anchor, steady_pace_ms, time_contenders, trial_ms
+from compute_side.sources import PushdownSource, RawObjectSource
+from compute_side.trainer import HeadTrainer, TrainConfig
 from hapi.datasets import Manifest, make_synthetic
 from hapi.models import build_model
 from hapi.planner import (
+    ALL_IN_COMPUTE,
+    TRIAL_ITERATIONS,
     TRIAL_READINGS,
     TRIAL_ROUNDS,
     TRIALS,
@@ -254,24 +258,36 @@ def test_profile_times_the_node_with_requests_overlapping(client: StorageClient,
     assert remeasured.stage_names == profile.stage_names and "retired_field" not in saved_file.read_text()
 
 
-def test_the_planner_s_contenders_are_timed_on_the_node(client: StorageClient, node: Node, tmp_path: Path) -> None:
+def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClient, node: Node,
+                                                             tmp_path: Path) -> None:
     model = build_model("resnet18", input_size=SPEC.crop_size)
+    model.replace_head(10)
     template = ExtractRequest(keys=(), model="resnet18", split=0, transform=SPEC)
     samples = node.manifest.split("train")[:4]
     profile = measure_profile(model, client, node.store, template, samples, 4, tmp_path, depth=2)
+    trainer = HeadTrainer(model, TrainConfig())
+    steps = []
 
     def options_for(p: Profile) -> list[Candidate]:
         return candidates(p, 4, 1000)
 
-    first = contenders(profile, options_for(profile))
-    assert first  # on loopback no split is link-bound, and several are within reach of the best
-    timed = time_contenders(profile, options_for, client, template, samples, 4, depth=2)
+    def try_candidate(c: Candidate) -> float:
+        source = (RawObjectSource(node.store, SPEC) if c.split == ALL_IN_COMPUTE else
+                  PushdownSource([client], replace(template, split=c.split)))
+        return trial_ms(source, lambda batch: steps.append(trainer.train_step(batch.features, batch.labels,
+                                                                                batch.split)), samples, 4, 2, 2)
+
+    first = contenders(options_for(profile))
+    assert first  # on loopback no candidate is link-paced, and several are within reach of the best
+    tried = time_contenders(profile, options_for, try_candidate)
     # Every first-round contender got its readings; no more were taken than the policy allows.
-    assert all(sum((s, d) == (c.split, c.dtype) for s, d, _ in timed.node_paces) == TRIAL_READINGS for c in first)
-    assert len(timed.node_paces) <= TRIALS * TRIAL_ROUNDS * TRIAL_READINGS
-    # What the node was timed at is what the planner now charges those splits.
-    assert all(evaluate(timed, s, d, 4, 1000).storage_ms == timed.node_pace(s, d) > 0 for s, d, _ in timed.node_paces)
-    assert timed.node_anchor[0] == profile.node_anchor[0]  # timed again after the trials
+    assert all(sum((s, d) == (c.split, c.dtype) for s, d, _ in tried.trial_paces) == TRIAL_READINGS for c in first)
+    assert len(tried.trial_paces) <= TRIALS * TRIAL_ROUNDS * TRIAL_READINGS
+    # Each trial trained its fill (2 requests in flight: one batch of 4) and the timed
+    # iterations, on the samples cycled; the batch in flight when the clock stopped is not trained.
+    assert len(steps) == len(tried.trial_paces) * (1 + TRIAL_ITERATIONS)
+    # What a trial measured is the pace the planner now charges that candidate.
+    assert all(evaluate(tried, s, d, 4, 1000).trial_ms == tried.trial_pace(s, d) > 0 for s, d, _ in tried.trial_paces)
 
 
 def test_steady_pace_leaves_out_the_fill() -> None:

@@ -72,21 +72,29 @@ def test_the_node_is_modelled_from_its_pace_at_the_anchor_not_its_parts_alone() 
     assert evaluate(fast, 3, "float32", 32, 1000).storage_ms == pytest.approx(10.0 + 90.0)
 
 
-def test_the_node_timed_at_a_contender_outweighs_the_sum_of_its_parts() -> None:
+def test_a_trial_run_at_a_contender_outweighs_the_model() -> None:
     p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
-    # Split 3 (100 ms) is the best; split 2 is 20% behind but its 120 KB set its pace on the
-    # link; split 4 (130 ms) is too far behind to be timed.
-    assert [c.split for c in contenders(p, candidates(p, 32, 1000))] == [3]
-    timed = replace(p, node_paces=((3, "float32", 200.0),))  # its replies cost the node more than its parts
-    assert evaluate(timed, 3, "float32", 32, 1000).storage_ms == pytest.approx(200.0)
-    assert evaluate(timed, 4, "float32", 32, 1000).storage_ms == pytest.approx(130.0)  # not timed: the model
-    assert choose(candidates(timed, 32, 1000)).split == 2  # 120 ms on the link now beats it
-    assert "200.00*" in explain(timed, candidates(timed, 32, 1000), evaluate(timed, 2, "float32", 32, 1000))
-    # Split 3 is not timed again; split 4, now within reach of the best, is next.
-    assert [c.split for c in contenders(timed, candidates(timed, 32, 1000))] == [4]
-    # Readings of one split count by their median: one slow reading does not decide.
-    again = replace(timed, node_paces=timed.node_paces + ((3, "float32", 90.0), (3, "float32", 95.0)))
-    assert evaluate(again, 3, "float32", 32, 1000).storage_ms == pytest.approx(95.0)
+    # Split 3 (100 ms) is the best and split 2 (120 ms) within reach; split 4 (130 ms) is too
+    # far behind to be tried.
+    assert [c.split for c in contenders(candidates(p, 32, 1000))] == [3, 2]
+    tried = replace(p, trial_paces=((3, "float32", 200.0), (2, "float32", 150.0)))  # 3's replies cost the node more
+    split3 = evaluate(tried, 3, "float32", 32, 1000)
+    assert split3.storage_ms == pytest.approx(100.0)  # the model's stages stay for the record
+    assert split3.epoch_s == pytest.approx((1000 * 200.0 + 32 * (8.0 + 40.5)) / 1e3)  # the trial's pace sets the epoch
+    assert choose(candidates(tried, 32, 1000)).split == 4  # 130 ms, not tried, now beats both
+    assert "200.00" in explain(tried, candidates(tried, 32, 1000), evaluate(tried, 4, "float32", 32, 1000))
+    # Splits 3 and 2 are not tried again; split 4, now the best, and split 0 (160.5 ms) are
+    # within reach of it.
+    assert [c.split for c in contenders(candidates(tried, 32, 1000))] == [4, 0]
+    # Readings of one candidate count by their median: one slow reading does not decide.
+    again = replace(tried, trial_paces=tried.trial_paces + ((3, "float32", 90.0), (3, "float32", 95.0)))
+    assert evaluate(again, 3, "float32", 32, 1000).trial_ms == pytest.approx(95.0)
+
+
+def test_a_candidate_the_link_clearly_paces_is_not_tried() -> None:
+    p = profile(bandwidth=1e6)  # the best, split 3: 8 ms on the link against 5 ms of node work
+    assert choose(candidates(p, 32, 1000)).link_paced
+    assert contenders(candidates(p, 32, 1000)) == []
 
 
 def test_among_near_ties_the_pipeline_with_slack_wins() -> None:
@@ -102,7 +110,7 @@ def test_among_near_ties_the_pipeline_with_slack_wins() -> None:
 
 def test_at_most_a_few_contenders_are_timed() -> None:
     p = profile(bandwidth=1e12, storage_ms=0.0, compute_ms=0.01, decode_ms=1.0)  # every split costs about the same
-    assert len(contenders(p, candidates(p, 32, 1000))) == TRIALS
+    assert len(contenders(candidates(p, 32, 1000))) == TRIALS
 
 
 def test_epoch_time_is_the_pipelined_sum() -> None:
@@ -144,5 +152,5 @@ def test_explain_lists_every_candidate_and_marks_the_choice() -> None:
 
 
 def test_profile_round_trips_through_json() -> None:
-    p = replace(profile(bandwidth=1e6), node_anchor=(4, 13.0), node_paces=((3, "float32", 12.5),))
+    p = replace(profile(bandwidth=1e6), node_anchor=(4, 13.0), trial_paces=((3, "float32", 12.5),))
     assert Profile.from_json(p.to_json()) == p
