@@ -164,7 +164,8 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         "a lower bound, and a ratio built on one is marked ≥ or ≤. The candidates within "
         f"{RETIME_WITHIN - 1:.0%} of the best, and the choice, were then timed over {long} iterations, and keep "
         "that time. Where another candidate than the choice was then the fastest, both were timed again, "
-        f"alternately, to {CONFIRM_WINDOWS} such windows each ({CLOSE_CALL_WINDOWS} when the medians put the "
+        f"alternately (the choice again with each new fastest), until it had {CONFIRM_WINDOWS} such windows "
+        f"({CLOSE_CALL_WINDOWS} when the medians put the "
         f"choice within {CLOSE_CALL:.0%} of the 5% line, either way), and keep the median: the fastest of many "
         "noisy candidates is flattered by its luck. By the first long windows alone, before this confirmation, the "
         f"choice was within 5% of the best in {within_first}/{len(per_case)} cases; every window is in the CSV.",

@@ -18,8 +18,8 @@ stops), bandwidths 5-100 Mbit/s.
 A candidate 1.6x slower than the best so far is stopped there; candidates within 20% of the
 best, and the planner's choice, are timed again over 10 iterations and keep that time.
 When another candidate than the choice is the fastest, both are timed again, alternately,
-to 3 long windows each (5 when the medians put the choice within 5% of the 5% line), and
-keep the median (the fastest of many noisy candidates is flattered by its luck). Every
+until it has 3 long windows (5 when the medians put the choice within 5% of the 5% line),
+and keep the median (the fastest of many noisy candidates is flattered by its luck). Every
 long window is kept in the CSV.
 
     sudo python -m experiments.split_sweep [--quick] [--models ...] [--bandwidths 5,25,100]
@@ -172,10 +172,11 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
         needed = windows_needed(fastest[0])
         if fastest is mine or windows(fastest[0]) >= needed:
             break
-        while windows(fastest[0]) < needed:
+        # The choice is timed in turn with each new contender, however many windows it has
+        # already, so that a drift of the machine meanwhile falls on both.
+        for _ in range(needed - windows(fastest[0])):
             for row, c in (mine, fastest):
-                if windows(row) < needed:
-                    retime(row, c)
+                retime(row, c)
     return rows
 
 
