@@ -20,7 +20,16 @@ from compute_side.loader import Batch, PipelinedLoader, Source, batches_of
 from compute_side.sources import IO_THREADS
 from hapi.datasets import Sample
 from hapi.models import StagedModel
-from hapi.planner import TRIAL_ITERATIONS, TRIAL_READINGS, TRIAL_ROUNDS, Candidate, contenders, storage_parts_ms
+from hapi.planner import (
+    TRIAL_ITERATIONS,
+    TRIAL_READINGS,
+    TRIAL_ROUNDS,
+    TRIAL_SHARE,
+    TRIALS,
+    Candidate,
+    contenders,
+    storage_parts_ms,
+)
 from hapi.profile import Profile, TierTimes, host_name, output_elements, profile_tier
 from hapi.store import ObjectStore
 from hapi.wire import WIRE_DTYPES, ExtractRequest, ProfileRequest
@@ -171,24 +180,37 @@ def train_pace_ms(loader: PipelinedLoader, train_step: Callable[[Batch], object]
     raise ValueError(f"{len(batches)} batches cannot cover {warmup} warm-up and {timed} timed iterations")
 
 
+def _trial_batches(batch_size: int, request_size: int, depth: int) -> tuple[int, int]:
+    """(batches in flight, batches read) of one trial."""
+    fill = max(1, math.ceil(max(depth, 1) / math.ceil(batch_size / request_size)))
+    return fill, 2 * fill + TRIAL_ITERATIONS
+
+
+def trials_within(run_samples: int, batch_size: int, request_size: int, depth: int) -> int:
+    """How many trials a run of ``run_samples`` affords: they read at most ``TRIAL_SHARE``
+    of them (a short run is better served by the model than by trials longer than itself)."""
+    return int(TRIAL_SHARE * run_samples) // (_trial_batches(batch_size, request_size, depth)[1] * batch_size)
+
+
 def trial_ms(source: Source, train_step: Callable[[Batch], object], samples: Sequence[Sample], batch_size: int,
              request_size: int, depth: int) -> float:
     """Per sample, the pace of a short training run from ``source``: ``TRIAL_ITERATIONS``
     timed once the pipeline is full, as many in flight when the clock stops."""
-    fill = max(1, math.ceil(max(depth, 1) / math.ceil(batch_size / request_size)))  # batches in flight
-    needed = (2 * fill + TRIAL_ITERATIONS) * batch_size
-    batches = batches_of(list(itertools.islice(itertools.cycle(samples), needed)), batch_size)
+    fill, read = _trial_batches(batch_size, request_size, depth)
+    batches = batches_of(list(itertools.islice(itertools.cycle(samples), read * batch_size)), batch_size)
     ms, _ = train_pace_ms(PipelinedLoader(source, request_size, depth), train_step, batches, fill, TRIAL_ITERATIONS)
     return ms / batch_size
 
 
 def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Candidate]],
-                    try_candidate: Callable[[Candidate], float]) -> Profile:
+                    try_candidate: Callable[[Candidate], float], max_trials: float = math.inf) -> Profile:
     """The profile with trial runs at the planner's contenders (``try_candidate``: ms per
     sample): where the model's ranking is close, a run of each decides. A contender tried
-    slower can leave a new one in front; it is tried in a second round."""
+    slower can leave a new one in front; it is tried in a second round. At most
+    ``max_trials`` runs in all: a contender is tried in full or not at all."""
     for _ in range(TRIAL_ROUNDS):
-        picked = contenders(options_for(profile))
+        affordable = int(min(max_trials - len(profile.trial_paces), TRIALS * TRIAL_READINGS)) // TRIAL_READINGS
+        picked = contenders(options_for(profile))[:affordable]
         paces = []
         for _ in range(TRIAL_READINGS):
             for c in picked:

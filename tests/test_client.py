@@ -19,7 +19,14 @@ import torch
 from compute_side import daemon_process
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
-from compute_side.profiling import measure_profile, node_anchor, steady_pace_ms, time_contenders, trial_ms
+from compute_side.profiling import (
+    measure_profile,
+    node_anchor,
+    steady_pace_ms,
+    time_contenders,
+    trial_ms,
+    trials_within,
+)
 from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import HeadTrainer, TrainConfig
 from hapi.datasets import Manifest, make_synthetic
@@ -288,6 +295,15 @@ def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClie
     assert len(steps) == len(tried.trial_paces) * (1 + TRIAL_ITERATIONS)
     # What a trial measured is the pace the planner now charges that candidate.
     assert all(evaluate(tried, s, d, 4, 1000).trial_ms == tried.trial_pace(s, d) > 0 for s, d, _ in tried.trial_paces)
+    # A budget of one contender's readings tries the first contender only, in full.
+    once = time_contenders(profile, options_for, try_candidate, max_trials=TRIAL_READINGS + 1)
+    assert [(s, d) for s, d, _ in once.trial_paces] == [(first[0].split, first[0].dtype)] * TRIAL_READINGS
+
+
+def test_a_short_run_affords_no_trials() -> None:
+    # A trial reads 2 x 4 batches in flight + TRIAL_ITERATIONS batches: 14 x 32 samples here.
+    assert trials_within(100 * 14 * 32, 32, 32, 4) == 10  # a tenth of the run's samples
+    assert trials_within(960, 32, 32, 4) == 0  # the demo's one epoch: the model alone decides
 
 
 def test_steady_pace_leaves_out_the_fill() -> None:
