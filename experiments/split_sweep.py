@@ -1,10 +1,12 @@
 """Exhaustive split sweep on two emulated hosts: every candidate timed, against the planner.
 
-For each shaped bandwidth and model: profile both tiers, let the planner choose, then
+For each shaped bandwidth and model: profile both tiers, let the planner choose (it tries
+its close contenders in short training runs first, as for a long ``hapi.train`` run), then
 train a few steady-state iterations at every candidate (all-in-compute and every split up
 to the freeze index) and record the measured time per iteration. Reports the share of
 cases where the planner's choice is the best or within 5% of it, its prediction error per
-candidate, and the speed-up of the choice over all-in-compute. One row per candidate in
+candidate (the cost model's, over the candidates it did not try), and the speed-up of the
+choice over all-in-compute. One row per candidate in
 ``results/split_sweep/sweep.csv``; the report and plots are made from it.
 
 Each candidate is trained as ``hapi.train`` trains: the pipelined loader with its default

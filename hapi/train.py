@@ -192,17 +192,18 @@ def plan(args: argparse.Namespace, model: StagedModel, clients: list[StorageClie
     def options_for(p: Profile) -> list[Candidate]:
         return candidates(p, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
 
-    trial_trainer = copy.deepcopy(trainer)  # trials train a copy: they never change what the run learns
-
-    def try_candidate(c: Candidate) -> float:
-        return trial_ms(sources.build(c.split, c.dtype)[0],
-                        lambda batch: trial_trainer.train_step(batch.features, batch.labels, batch.split),
-                        samples, args.batch_size, args.request_size, args.depth)
-
     affordable = trials_within(args.epochs * len(samples), args.batch_size, args.request_size, args.depth)
     if affordable < TRIAL_READINGS:
         log.info("no trials: a run of %d epoch(s) of %d samples is too short to afford them", args.epochs, len(samples))
-    profile = time_contenders(profile, options_for, try_candidate, affordable)
+    else:
+        trial_trainer = copy.deepcopy(trainer)  # trials train a copy: they never change what the run learns
+
+        def try_candidate(c: Candidate) -> float:
+            return trial_ms(sources.build(c.split, c.dtype)[0],
+                            lambda batch: trial_trainer.train_step(batch.features, batch.labels, batch.split),
+                            samples, args.batch_size, args.request_size, args.depth)
+
+        profile = time_contenders(profile, options_for, try_candidate, affordable)
     options = options_for(profile)
     return profile, options, choose(options)
 
