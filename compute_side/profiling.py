@@ -186,10 +186,12 @@ def _trial_batches(batch_size: int, request_size: int, depth: int) -> tuple[int,
     return fill, 2 * fill + TRIAL_ITERATIONS
 
 
-def trials_within(run_samples: int, batch_size: int, request_size: int, depth: int) -> int:
-    """How many trials a run of ``run_samples`` affords: they read at most ``TRIAL_SHARE``
-    of them (a short run is better served by the model than by trials longer than itself)."""
-    return int(TRIAL_SHARE * run_samples) // (_trial_batches(batch_size, request_size, depth)[1] * batch_size)
+def contenders_within(run_samples: int, batch_size: int, request_size: int, depth: int) -> int:
+    """How many contenders a run of ``run_samples`` can afford to try (``TRIAL_READINGS``
+    trials each): the trials read at most ``TRIAL_SHARE`` of its samples (a short run is
+    better served by the model than by trials longer than itself)."""
+    trial_samples = _trial_batches(batch_size, request_size, depth)[1] * batch_size
+    return int(TRIAL_SHARE * run_samples) // (trial_samples * TRIAL_READINGS)
 
 
 def trial_ms(source: Source, train_step: Callable[[Batch], object], samples: Sequence[Sample], batch_size: int,
@@ -203,14 +205,15 @@ def trial_ms(source: Source, train_step: Callable[[Batch], object], samples: Seq
 
 
 def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Candidate]],
-                    try_candidate: Callable[[Candidate], float], max_trials: float = math.inf) -> Profile:
+                    try_candidate: Callable[[Candidate], float],
+                    max_contenders: int = TRIALS * TRIAL_ROUNDS) -> Profile:
     """The profile with trial runs at the planner's contenders (``try_candidate``: ms per
     sample): where the model's ranking is close, a run of each decides. A contender tried
     slower can leave a new one in front; it is tried in a second round. At most
-    ``max_trials`` runs in all: a contender is tried in full or not at all."""
+    ``max_contenders`` are tried, each in full."""
     for _ in range(TRIAL_ROUNDS):
-        affordable = int(min(max_trials - len(profile.trial_paces), TRIALS * TRIAL_READINGS)) // TRIAL_READINGS
-        picked = contenders(options_for(profile))[:affordable]
+        tried = len({(s, d) for s, d, _ in profile.trial_paces})
+        picked = contenders(options_for(profile))[:max_contenders - tried]
         paces = []
         for _ in range(TRIAL_READINGS):
             for c in picked:

@@ -134,7 +134,7 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
     timed = [r for r in rows if r["stopped_early"] != "True"]
     short, long = min(int(r["timed_iterations"]) for r in timed), max(int(r["timed_iterations"]) for r in timed)
     # A tried candidate's prediction is its trial's pace: the model's error is the others'.
-    modelled = [r for r in timed if r.get("tried") != "True"]
+    modelled = [r for r in timed if r["tried"] != "True"]
     errors = sorted(abs(float(r["predicted_ms"]) - float(r["measured_ms"])) / float(r["measured_ms"])
                     for r in modelled)
     plot_predictions(timed, folder / "predictions.png")

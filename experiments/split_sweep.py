@@ -35,7 +35,6 @@ import logging
 import statistics
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,14 +42,13 @@ import torch
 from compute_side.client import StorageClient
 from compute_side.loader import Batch, PipelinedLoader, Source, batches_of
 from compute_side.profiling import measure_profile, time_contenders, train_pace_ms, trial_ms
-from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
 from hapi.models import build_model
 from hapi.planner import ALL_IN_COMPUTE, Candidate, candidates, choose, explain
 from hapi.profile import Profile
 from hapi.store import S3Store
-from hapi.train import DEFAULT_DEPTH
+from hapi.train import DEFAULT_DEPTH, Sources
 from hapi.transforms import TransformSpec
 from hapi.wire import ExtractRequest
 
@@ -89,8 +87,7 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
         return candidates(p, args.batch_size, STEADY_STATE_SAMPLES)
 
     def source_for(c: Candidate) -> Source:
-        return (RawObjectSource(store, transform) if c.split == ALL_IN_COMPUTE else
-                PushdownSource([client], replace(template, split=c.split, dtype=c.dtype)))
+        return Sources([client], store, template, transform).build(c.split, c.dtype)[0]
 
     def step(batch: Batch) -> None:
         trainer.train_step(batch.features, batch.labels, batch.split)

@@ -162,11 +162,11 @@ class Profile:
         body = json.loads(text)
         for tier in ("storage", "compute"):
             body[tier] = TierTimes(**{**body[tier], "forward_ms": tuple(body[tier]["forward_ms"])})
-        anchor = body.get("node_anchor")
+        anchor = body["node_anchor"]
         return cls(**{**body, "stage_names": tuple(body["stage_names"]),
                       "output_elements": tuple(body["output_elements"]),
                       "node_anchor": tuple(anchor) if anchor else None,
-                      "trial_paces": tuple(tuple(pace) for pace in body.get("trial_paces", ()))})
+                      "trial_paces": tuple(tuple(pace) for pace in body["trial_paces"])})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,13 +27,13 @@ from tqdm import tqdm
 from compute_side import deployment
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.loader import PipelinedLoader, Source, batches_of, epoch_order
-from compute_side.profiling import measure_profile, time_contenders, trial_ms, trials_within
+from compute_side.profiling import contenders_within, measure_profile, time_contenders, trial_ms
 from compute_side.replan import Replanner
 from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
 from hapi.datasets import DatasetNotFoundError, Sample
 from hapi.models import MODELS, StagedModel, build_model
-from hapi.planner import ALL_IN_COMPUTE, TRIAL_READINGS, Candidate, candidates, choose, explain, summary
+from hapi.planner import ALL_IN_COMPUTE, Candidate, candidates, choose, explain, summary
 from hapi.profile import Profile
 from hapi.store import MissingObjectError, ObjectStore, open_store
 from hapi.transforms import CorruptImageError, TransformSpec
@@ -192,8 +192,8 @@ def plan(args: argparse.Namespace, model: StagedModel, clients: list[StorageClie
     def options_for(p: Profile) -> list[Candidate]:
         return candidates(p, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
 
-    affordable = trials_within(args.epochs * len(samples), args.batch_size, args.request_size, args.depth)
-    if affordable < TRIAL_READINGS:
+    affordable = contenders_within(args.epochs * len(samples), args.batch_size, args.request_size, args.depth)
+    if not affordable:
         log.info("no trials: a run of %d epoch(s) of %d samples is too short to afford them", args.epochs, len(samples))
     else:
         trial_trainer = copy.deepcopy(trainer)  # trials train a copy: they never change what the run learns

@@ -19,20 +19,19 @@ import torch
 from compute_side import daemon_process
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
+from compute_side.loader import Batch
 from compute_side.profiling import (
+    contenders_within,
     measure_profile,
     node_anchor,
     steady_pace_ms,
     time_contenders,
     trial_ms,
-    trials_within,
 )
-from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import HeadTrainer, TrainConfig
 from hapi.datasets import Manifest, make_synthetic
 from hapi.models import build_model
 from hapi.planner import (
-    ALL_IN_COMPUTE,
     TRIAL_ITERATIONS,
     TRIAL_READINGS,
     TRIAL_ROUNDS,
@@ -45,6 +44,7 @@ from hapi.planner import (
 )
 from hapi.profile import Profile, TierTimes
 from hapi.store import FileStore
+from hapi.train import Sources
 from hapi.transforms import TransformSpec, preprocess
 from hapi.wire import ExtractRequest
 
@@ -278,11 +278,13 @@ def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClie
     def options_for(p: Profile) -> list[Candidate]:
         return candidates(p, 4, 1000)
 
+    sources = Sources([client], node.store, template, SPEC)
+
+    def step(batch: Batch) -> None:
+        steps.append(trainer.train_step(batch.features, batch.labels, batch.split))
+
     def try_candidate(c: Candidate) -> float:
-        source = (RawObjectSource(node.store, SPEC) if c.split == ALL_IN_COMPUTE else
-                  PushdownSource([client], replace(template, split=c.split)))
-        return trial_ms(source, lambda batch: steps.append(trainer.train_step(batch.features, batch.labels,
-                                                                                batch.split)), samples, 4, 2, 2)
+        return trial_ms(sources.build(c.split, c.dtype)[0], step, samples, 4, 2, 2)
 
     first = contenders(options_for(profile))
     assert first  # on loopback no candidate is link-paced, and several are within reach of the best
@@ -295,15 +297,16 @@ def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClie
     assert len(steps) == len(tried.trial_paces) * (1 + TRIAL_ITERATIONS)
     # What a trial measured is the pace the planner now charges that candidate.
     assert all(evaluate(tried, s, d, 4, 1000).trial_ms == tried.trial_pace(s, d) > 0 for s, d, _ in tried.trial_paces)
-    # A budget of one contender's readings tries the first contender only, in full.
-    once = time_contenders(profile, options_for, try_candidate, max_trials=TRIAL_READINGS + 1)
+    # A budget of one contender tries the first one only, in full.
+    once = time_contenders(profile, options_for, try_candidate, max_contenders=1)
     assert [(s, d) for s, d, _ in once.trial_paces] == [(first[0].split, first[0].dtype)] * TRIAL_READINGS
 
 
 def test_a_short_run_affords_no_trials() -> None:
-    # A trial reads 2 x 4 batches in flight + TRIAL_ITERATIONS batches: 14 x 32 samples here.
-    assert trials_within(100 * 14 * 32, 32, 32, 4) == 10  # a tenth of the run's samples
-    assert trials_within(960, 32, 32, 4) == 0  # the demo's one epoch: the model alone decides
+    # A trial reads 2 x 4 batches in flight + TRIAL_ITERATIONS batches: 14 x 32 samples here,
+    # and a contender gets TRIAL_READINGS of them; the trials read a tenth of the run's samples.
+    assert contenders_within(10 * TRIAL_READINGS * 10 * 14 * 32, 32, 32, 4) == 10
+    assert contenders_within(960, 32, 32, 4) == 0  # the demo's one epoch: the model alone decides
 
 
 def test_steady_pace_leaves_out_the_fill() -> None:
