@@ -16,13 +16,16 @@ pipeline would be flattered by work fetched before the clock started.
 
 Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's patches stay
 16 px), batch 8, 4 warm-up + 4 timed iterations per candidate (+ 4 in flight when the clock
-stops), bandwidths 5-100 Mbit/s.
-A candidate 1.6x slower than the best so far is stopped there; candidates within 20% of the
-best, and the planner's choice, are timed again over 10 iterations and keep that time.
-When another candidate than the choice is the fastest, both are timed again, alternately,
-until it has 3 long windows (5 when the medians put the choice within 5% of the 5% line),
-and keep the median (the fastest of many noisy candidates is flattered by its luck). Every
-long window is kept in the CSV.
+stops), bandwidths 5-100 Mbit/s. A candidate 1.6x slower than the best so far is stopped there.
+
+The verdict. The machine's speed drifts by tens of percent within a minute, more than the 5%
+at stake, so absolute times taken a minute apart cannot decide it. The candidates screened
+within 20% of the best are the choice's rivals: each is timed in long windows (10 iterations
+and 4 s at least), every one bracketed by long windows of the choice, and its time relative
+to the choice is the median of its ratios to the mean of its brackets. A rival gets another
+window while that median is within two standard errors of the 5% line, and at least two when
+it beats the choice by more than 5% (a winner may have been lucky once), up to 6. Every
+window and ratio is kept in the CSV.
 
     sudo python -m experiments.split_sweep [--quick] [--models ...] [--bandwidths 5,25,100]
 """
@@ -31,10 +34,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import logging
+import math
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,20 +61,20 @@ from hapi.wire import ExtractRequest
 RESULTS = Path(__file__).parent / "results" / "split_sweep"
 PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
 FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage", "bytes_per_sample", "predicted_ms",
-          "measured_ms", "timed_iterations", "long_windows_ms", "stopped_early", "chosen", "bottleneck", "tried")
+          "measured_ms", "timed_iterations", "long_windows_ms", "vs_choice", "ratios_to_choice", "stopped_early",
+          "chosen", "bottleneck", "tried")
 # A candidate slower than this many times the best so far is stopped, or not started when
 # its bytes alone would take that long on the link; a lower bound is kept either way.
 GIVE_UP_FACTOR = 1.6
-# Candidates within this factor of the best are timed again over a long window.
+# Candidates screened within this factor of the best are rivals of the choice, compared with it
+# in long windows.
 RETIME_WITHIN = 1.2
-# The verdict on the choice rests on this many long windows of it and of the fastest other
-# candidate: the fastest of many noisy candidates is flattered by its luck (the winner's
-# curse), and one window of each would count that luck against the planner. A close call,
-# whose medians put the choice within CLOSE_CALL of the 5% line either way, gets
-# CLOSE_CALL_WINDOWS of each.
-CONFIRM_WINDOWS = 3
-CLOSE_CALL = 0.05
-CLOSE_CALL_WINDOWS = 5
+# The choice is "within 5% of the best" when no rival trained faster than 1 / WITHIN of its time.
+WITHIN = 1.05
+# A rival gets another bracketed window while its median ratio is within two standard errors
+# of that line (at most --max-rounds); the spread of a bracketed ratio is taken as at least
+# this (log units; measured on alexnet's 4 s windows: 0.03), so one lucky window cannot end it.
+WINDOW_NOISE = 0.04
 # The planner is asked about a long epoch, where fill and drain vanish: the sweep times the
 # steady state.
 STEADY_STATE_SAMPLES = 100_000
@@ -99,11 +105,12 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     logging.info("%s %s Mbit/s: node anchor %s, compute-tier reads %.2f ms/sample (%.2f of client CPU)\n%s", name,
                  bandwidth, profile.node_anchor, profile.compute.fetch_ms, profile.compute.fetch_cpu_ms,
                  explain(profile, options, chosen))
-    batches = batches_of(samples, args.batch_size)
 
     def measure(c: Candidate, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
-        return train_pace_ms(PipelinedLoader(source_for(c), args.batch_size, args.depth), step,
-                             batches[: args.warmup + timed + args.depth], args.warmup, timed, give_up_ms)
+        read = args.batch_size * (args.warmup + timed + args.depth)  # the samples again as often as needed
+        batches = batches_of(list(itertools.islice(itertools.cycle(samples), read)), args.batch_size)
+        return train_pace_ms(PipelinedLoader(source_for(c), args.batch_size, args.depth), step, batches,
+                             args.warmup, timed, give_up_ms)
 
     rows = []
     best_ms = float("inf")  # per iteration
@@ -125,88 +132,115 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
                      "bytes_per_sample": round(c.bytes_per_sample),
                      "predicted_ms": round(c.epoch_s * 1e3 / STEADY_STATE_SAMPLES * args.batch_size, 1),
                      "measured_ms": round(measured, 1), "timed_iterations": 0 if stopped else args.iterations,
-                     "long_windows_ms": "", "stopped_early": stopped, "chosen": c == chosen,
-                     "bottleneck": c.bottleneck, "tried": c.trial_ms is not None})
+                     "long_windows_ms": "", "vs_choice": "", "ratios_to_choice": "", "stopped_early": stopped,
+                     "chosen": c == chosen, "bottleneck": c.bottleneck, "tried": c.trial_ms is not None})
         logging.info("%s %s Mbit/s %-20s predicted %7.1f measured %s%7.1f ms/iter", name, bandwidth, c.label,
                      rows[-1]["predicted_ms"], ">" if stopped else " ", measured)
 
-    def retime(row: dict, c: Candidate) -> None:
-        """One more long window; the candidate's time is the median of its long windows."""
-        screened = row["measured_ms"]
-        times = [float(w) for w in row["long_windows_ms"].split()] + [measure(c, args.long_iterations)[0]]
-        row.update(measured_ms=round(statistics.median(times), 1), timed_iterations=args.long_iterations,
-                   long_windows_ms=" ".join(f"{t:.1f}" for t in times))
-        logging.info("%s %s Mbit/s %-20s was %.1f, long windows %s ms/iter", name, bandwidth, row["candidate"],
-                     screened, row["long_windows_ms"])
-
-    def windows(row: dict) -> int:
-        return len(row["long_windows_ms"].split())
-
-    # A short window is noisy: with requests sharing the link, how much of the window's
-    # work was already on its way when the clock started varies by up to the pipeline's
-    # depth. The choice, and every candidate within reach of the best so far, are timed
-    # again over a long window and keep that time, until the best and all within reach of
-    # it have been (a flattered short time must not decide who is re-timed).
-    while True:
-        best_ms = min(row["measured_ms"] for row in rows if row["timed_iterations"])
-        again = [(row, c) for row, c in zip(rows, order) if row["timed_iterations"] and not windows(row)
-                 and (row["measured_ms"] <= RETIME_WITHIN * best_ms or row["chosen"])]
-        if not again:
-            break
-        for row, c in again:
-            retime(row, c)
-    # The verdict: the choice against the fastest other candidate, timed alternately, until
-    # the fastest is the choice or has been confirmed.
+    # The comparison: the machine's speed drifts by tens of percent within a minute, far more
+    # than the 5% at stake, so the choice is compared with each rival in long windows
+    # bracketed by windows of the choice, and a rival's time is the median ratio to the mean
+    # of its two brackets (a drift of the machine falls on both sides of a ratio).
     by_label = {c.label: (row, c) for row, c in zip(rows, order)}
     mine = by_label[chosen.label]
+    if not mine[0]["timed_iterations"]:  # a choice stopped early is a miss without a comparison
+        return rows
+    best_ms = min(row["measured_ms"] for row in rows if row["timed_iterations"])
+    rivals = [(row, c) for row, c in zip(rows, order) if row["timed_iterations"] and c != chosen
+              and row["measured_ms"] <= RETIME_WITHIN * best_ms]
+    iterations = {row["candidate"]: max(args.long_iterations, math.ceil(args.window_s * 1e3 / row["measured_ms"]))
+                  for row, _ in (*rivals, mine)}  # a long window lasts at least args.window_s
 
-    def windows_needed(fastest: dict) -> int:
-        regret = mine[0]["measured_ms"] / fastest["measured_ms"] - 1
-        confirmed = min(windows(mine[0]), windows(fastest)) >= CONFIRM_WINDOWS
-        return CLOSE_CALL_WINDOWS if confirmed and abs(regret - 0.05) < CLOSE_CALL else CONFIRM_WINDOWS
+    def long_window(row: dict, c: Candidate) -> float:
+        """One more long window; the candidate's time is the median of its long windows."""
+        ms = measure(c, iterations[row["candidate"]])[0]
+        times = [float(w) for w in row["long_windows_ms"].split()] + [ms]
+        row.update(measured_ms=round(statistics.median(times), 1), timed_iterations=iterations[row["candidate"]],
+                   long_windows_ms=" ".join(f"{t:.1f}" for t in times))
+        return ms
 
-    while mine[0]["timed_iterations"]:  # a choice stopped early is a miss without a verdict
-        fastest = min((pair for pair in by_label.values() if pair[0]["timed_iterations"]),
-                      key=lambda pair: pair[0]["measured_ms"])
-        needed = windows_needed(fastest[0])
-        if fastest is mine or windows(fastest[0]) >= needed:
-            break
-        # The choice is timed in turn with each new contender, however many windows it has
-        # already, so that a drift of the machine meanwhile falls on both.
-        for _ in range(needed - windows(fastest[0])):
-            for row, c in (mine, fastest):
-                retime(row, c)
+    before = long_window(*mine)
+    while live := [(row, c) for row, c in rivals if in_play(ratios_of(row), args.max_rounds)]:
+        for row, c in live:
+            theirs = long_window(row, c)
+            after = long_window(*mine)
+            ratios = [*ratios_of(row), theirs / ((before + after) / 2)]
+            row.update(vs_choice=round(statistics.median(ratios), 3),
+                       ratios_to_choice=" ".join(f"{r:.3f}" for r in ratios))
+            logging.info("%s %s Mbit/s %-20s %.1f ms/iter between the choice's %.1f and %.1f: %s of the choice",
+                         name, bandwidth, row["candidate"], theirs, before, after, row["ratios_to_choice"])
+            before = after
     return rows
 
 
-def first_window_ms(row: dict) -> float:
-    """A candidate's time by its first long window alone (its time when it had none): the
-    verdict before confirmation, reported beside it."""
-    windows = str(row["long_windows_ms"]).split()
-    return float(windows[0]) if windows else float(row["measured_ms"])
+def ratios_of(row: dict) -> list[float]:
+    """A rival's times relative to the choice's, one per bracketed long window."""
+    return [float(r) for r in str(row["ratios_to_choice"]).split()]
+
+
+def in_play(ratios: list[float], max_rounds: int) -> bool:
+    """Whether a rival needs another bracketed window: its median ratio is within two
+    standard errors of the line where it would make the choice a miss, or it would make it
+    one on a single window (a rival that wins once may have been lucky once)."""
+    n = len(ratios)
+    if n == 0:
+        return True
+    if n >= max_rounds:
+        return False
+    logs = [math.log(r) for r in ratios]
+    spread = max(statistics.stdev(logs) if n > 1 else 0.0, WINDOW_NOISE)
+    distance = statistics.median(logs) + math.log(WITHIN)  # below zero: the rival makes the choice a miss
+    return abs(distance) < 2 * 1.25 * spread / math.sqrt(n) or (distance < 0 and n < 2)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The choice against the best candidate of its case."""
+
+    chosen: dict
+    best: dict
+    regret: float  # how much slower the choice trained than the best (0: it is the best)
+    first_regret: float  # the same by the first bracketed window of each rival alone
+
+    @property
+    def within(self) -> bool:
+        return self.regret <= WITHIN - 1
+
+
+def verdict(case: list[dict]) -> Verdict:
+    """The verdict on a case's rows (as written or as read back from the CSV)."""
+    chosen = next(r for r in case if str(r["chosen"]) == "True")
+    if not int(chosen["timed_iterations"]):  # stopped early: its time is a lower bound
+        best = min(case, key=lambda r: float(r["measured_ms"]))
+        regret = float(chosen["measured_ms"]) / float(best["measured_ms"]) - 1
+        return Verdict(chosen, best, regret, regret)
+    rivals = [r for r in case if ratios_of(r)]
+    best = min(rivals, key=lambda r: float(r["vs_choice"]), default=chosen)
+    fastest = float(best["vs_choice"]) if rivals else 1.0
+    first = min((ratios_of(r)[0] for r in rivals), default=1.0)
+    return Verdict(chosen, best if fastest < 1 else chosen, max(0.0, 1 / fastest - 1), max(0.0, 1 / first - 1))
 
 
 def summarise(rows: list[dict]) -> str:
     cases = {}
     for r in rows:
         cases.setdefault((r["bandwidth_mbit"], r["model"]), []).append(r)
-    good, first_good, lines, regret = 0, 0, [], []
+    verdicts, lines = [], []
     errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows
               if not r["stopped_early"] and not r["tried"]]  # a tried candidate's prediction is its trial
     for (bw, model), case in sorted(cases.items()):
-        best = min(case, key=lambda r: r["measured_ms"])
-        chosen = next(r for r in case if r["chosen"])
+        v = verdict(case)
+        verdicts.append(v)
         baseline = next(r for r in case if r["split"] == ALL_IN_COMPUTE)
-        within = chosen["measured_ms"] <= best["measured_ms"] * 1.05
-        good += within
-        first_good += first_window_ms(chosen) <= min(first_window_ms(r) for r in case) * 1.05
-        regret.append(chosen["measured_ms"] / best["measured_ms"] - 1)
-        lines.append(f"{model:12s} {bw:6g} Mbit/s  chosen {chosen['candidate']:16s} {chosen['measured_ms']:8.1f} ms  "
-                     f"best {best['candidate']:16s} {best['measured_ms']:8.1f} ms  "
-                     f"{'ok' if within else 'MISS':4s}  speed-up vs all-in-compute "
-                     f"{baseline['measured_ms'] / chosen['measured_ms']:.2f}x")
+        lines.append(f"{model:12s} {bw:6g} Mbit/s  chosen {v.chosen['candidate']:16s} "
+                     f"{v.chosen['measured_ms']:8.1f} ms  "
+                     f"best {v.best['candidate']:16s} (choice +{v.regret:.1%})  {'ok' if v.within else 'MISS':4s}  "
+                     f"speed-up vs all-in-compute {baseline['measured_ms'] / v.chosen['measured_ms']:.2f}x")
+    good = sum(v.within for v in verdicts)
+    first_good = sum(v.first_regret <= WITHIN - 1 for v in verdicts)
+    regret = [v.regret for v in verdicts]
     lines.append(f"choice best or within 5% of best: {good}/{len(cases)} = {good / len(cases):.1%} "
-                 f"({first_good}/{len(cases)} by the first long windows alone, before confirmation); "
+                 f"({first_good}/{len(cases)} by each rival's first bracketed window alone); "
                  f"the cost model's median prediction error {sorted(errors)[len(errors) // 2]:.0%}; the choice "
                  f"{sum(regret) / len(regret):.1%} slower than the best on average, {max(regret):.0%} at worst")
     return "\n".join(lines)
@@ -220,7 +254,9 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
     p.add_argument("--long-iterations", type=int, default=10,
-                   help="timed iterations of the contenders for best, and of the choice")
+                   help="timed iterations at least of a long window (the choice's and its rivals')")
+    p.add_argument("--window-s", type=float, default=4.0, help="seconds at least of a long window")
+    p.add_argument("--max-rounds", type=int, default=6, help="bracketed long windows at most per rival")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="requests in flight, as in hapi.train")
     p.add_argument("--warmup", type=int, help="iterations before the clock starts (default: the depth)")
     p.add_argument("--quick", action="store_true", help="resnet18 and alexnet at 10 and 50 Mbit/s, 64 px")
@@ -233,6 +269,7 @@ def main() -> int:
         args.bandwidths = args.bandwidths if args.bandwidths != defaults.bandwidths else "10,50"
         args.iterations = args.iterations if args.iterations != defaults.iterations else 3
         args.long_iterations = args.long_iterations if args.long_iterations != defaults.long_iterations else 6
+        args.window_s, args.max_rounds = 1.0, 2
         args.image_size = 64
     args.warmup = args.depth if args.warmup is None else args.warmup
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
