@@ -40,6 +40,9 @@ TRIAL_ROUNDS = 2
 TRIAL_READINGS = 2
 TRIAL_ITERATIONS = 6  # timed iterations of a trial, once its pipeline is full
 TRIAL_SHARE = 0.1  # the trials read at most this share of the samples the run will train
+# The two fastest tried candidates, when this close, were maybe read in different rounds,
+# minutes apart, while the machine drifted: they are read again side by side (a playoff).
+PLAYOFF_WITHIN = 1.1
 LINK_BOUND = 1.5  # transfer / the slowest other stage, above which the link sets a candidate's pace
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from experiments import twohosts
+from experiments import split_sweep, twohosts
 
 
 def _run(*args: str) -> str:
@@ -42,3 +42,40 @@ def test_split_sweep_runs_on_two_emulated_hosts_and_feeds_the_report(tmp_path) -
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Headline" in report and "| resnet18 |" in report and "## Where HAPI loses" in report
     assert (results / "split_sweep" / "throughput.png").stat().st_size > 0
+
+
+def _row(candidate: str, ms: float, chosen: bool = False, ratios: str = "", timed: int = 10) -> dict:
+    median = sorted(map(float, ratios.split()))[len(ratios.split()) // 2] if ratios else ""
+    return {"candidate": candidate, "measured_ms": ms, "chosen": chosen, "timed_iterations": timed,
+            "ratios_to_choice": ratios, "vs_choice": median}
+
+
+def test_the_sweep_s_verdict_rests_on_the_rivals_ratios_to_the_choice_not_on_absolute_times() -> None:
+    # The rival's own windows ran in a slow spell (300 ms against 200): its ratios say it is 10% faster.
+    case = [_row("split 3", 200.0, chosen=True), _row("split 9", 300.0, ratios="0.9 0.91 0.89"),
+            _row("split 5", 150.0, timed=0)]  # screened only: never a rival
+    v = split_sweep.verdict(case)
+    assert v.best["candidate"] == "split 9" and not v.within
+    assert abs(v.regret - (1 / 0.9 - 1)) < 1e-9
+    # A rival 3% faster leaves the choice within 5%; one slower leaves it the best.
+    assert split_sweep.verdict([case[0], _row("split 9", 190.0, ratios="0.97")]).within
+    slower = split_sweep.verdict([case[0], _row("split 9", 190.0, ratios="1.1 1.2")])
+    assert slower.best is slower.chosen and slower.regret == 0
+    # By its first window alone the rival won by 20%; its median says 2%.
+    flattered = split_sweep.verdict([case[0], _row("split 9", 190.0, ratios="0.8 0.98 1.0")])
+    assert flattered.within and abs(flattered.first_regret - 0.25) < 1e-9
+    # A choice stopped early in screening has no rivals: its lower bound against the fastest.
+    stopped = split_sweep.verdict([_row("split 3", 400.0, chosen=True, timed=0), _row("split 9", 200.0)])
+    assert stopped.regret == 1.0 and not stopped.within
+
+
+def test_a_rival_is_timed_again_only_while_its_ratio_is_too_close_to_the_5_percent_line_to_call() -> None:
+    line = 1 / 1.05
+    assert split_sweep.in_play([], 6)
+    assert split_sweep.in_play([line], 6) and split_sweep.in_play([0.99, 0.96, 0.95], 6)
+    assert not split_sweep.in_play([1.4], 6)  # clearly slower after one window
+    assert split_sweep.in_play([0.7], 6)  # a rival that wins once may have been lucky once
+    assert not split_sweep.in_play([0.7, 0.72], 6)
+    assert not split_sweep.in_play([line] * 6, 6)  # at most max_rounds windows
+    # Noisy ratios keep a rival in play longer than steady ones at the same median.
+    assert split_sweep.in_play([0.8, 0.88, 1.0], 6) and not split_sweep.in_play([0.87, 0.88, 0.89], 6)

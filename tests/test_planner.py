@@ -4,7 +4,20 @@ from dataclasses import replace
 
 import pytest
 
-from hapi.planner import ALL_IN_COMPUTE, TRIALS, candidates, choose, contenders, evaluate, explain, summary
+from compute_side.profiling import time_contenders
+from hapi.planner import (
+    ALL_IN_COMPUTE,
+    TRIAL_READINGS,
+    TRIAL_ROUNDS,
+    TRIALS,
+    Candidate,
+    candidates,
+    choose,
+    contenders,
+    evaluate,
+    explain,
+    summary,
+)
 from hapi.profile import Profile, TierTimes
 
 # A toy 6-stage network, freeze index 4: outputs per sample (elements) shrink unevenly;
@@ -89,6 +102,31 @@ def test_a_trial_run_at_a_contender_outweighs_the_model() -> None:
     # Readings of one candidate count by their median: one slow reading does not decide.
     again = replace(tried, trial_paces=tried.trial_paces + ((3, "float32", 90.0), (3, "float32", 95.0)))
     assert evaluate(again, 3, "float32", 32, 1000).trial_ms == pytest.approx(95.0)
+
+
+def test_a_close_finish_read_minutes_apart_is_decided_by_a_playoff_side_by_side() -> None:
+    p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
+    true_ms = {3: 110.0, 2: 120.0, 4: 114.0}  # split 3 is the best, split 4 a close second
+    calls = []
+
+    def try_candidate(c: Candidate) -> float:  # the machine runs 8% faster after the first round
+        calls.append(c.split)
+        return true_ms[c.split] * (1.0 if len(calls) <= 2 * TRIAL_READINGS else 0.92)
+
+    def options_for(q: Profile) -> list[Candidate]:
+        return candidates(q, 32, 1000)
+
+    # Round 1 reads splits 3 and 2; split 4 (130 ms by the model) comes within reach of split 3's
+    # 110 and is read in round 2, in the faster spell: it looks the best.
+    unfair = time_contenders(p, options_for, try_candidate, max_contenders=TRIALS * TRIAL_ROUNDS)
+    assert choose(options_for(unfair)).split == 4 and calls == [3, 2] * TRIAL_READINGS + [4] * TRIAL_READINGS
+    calls.clear()
+    fair = time_contenders(p, options_for, try_candidate)
+    assert calls[-2 * TRIAL_READINGS:] == [4, 3] * TRIAL_READINGS  # the playoff, in turn
+    assert choose(options_for(fair)).split == 3
+    # Its readings replace the finalists' earlier ones; the others' stay.
+    assert fair.trial_pace(3, "float32") == pytest.approx(101.2) and fair.trial_pace(2, "float32") == 120.0
+    assert len(fair.trial_paces) == len(calls) - 2 * TRIAL_READINGS
 
 
 def test_a_candidate_the_link_clearly_paces_is_not_tried() -> None:
