@@ -24,10 +24,10 @@ from hapi.planner import (
     PLAYOFF_WITHIN,
     TRIAL_ITERATIONS,
     TRIAL_READINGS,
-    TRIAL_SETS,
+    TRIAL_ROUNDS,
     TRIAL_SHARE,
+    TRIALS,
     Candidate,
-    choose,
     contenders,
     storage_parts_ms,
 )
@@ -206,27 +206,25 @@ def trial_ms(source: Source, train_step: Callable[[Batch], object], samples: Seq
 
 
 def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Candidate]],
-                    try_candidate: Callable[[Candidate], float], budget: int = TRIAL_SETS) -> Profile:
+                    try_candidate: Callable[[Candidate], float],
+                    max_contenders: int = TRIALS * TRIAL_ROUNDS + 2) -> Profile:
     """The profile with trial runs at the planner's contenders (``try_candidate``: ms per
-    sample): where the model's ranking is close, a run of each decides. Rounds go on while
-    the choice is a candidate not tried yet (and not paced by the link). When the two fastest tried are within
-    ``PLAYOFF_WITHIN`` of each other, they are read again side by side and these readings
-    replace theirs (a playoff). At most ``budget`` (and ``TRIAL_SETS``) sets of
+    sample): where the model's ranking is close, a run of each decides. A contender tried
+    slower can leave a new one in front; it is tried in a second round. When the two
+    fastest tried are within ``PLAYOFF_WITHIN`` of each other, they are read again side by
+    side and these readings replace theirs (a playoff). At most ``max_contenders`` sets of
     ``TRIAL_READINGS`` readings are taken, each in full; a playoff takes two."""
-    budget = min(budget, TRIAL_SETS)
-    while True:
-        options = options_for(profile)
+    for _ in range(TRIAL_ROUNDS):
         tried = len({(s, d) for s, d, _ in profile.trial_paces})
-        picked = contenders(options)[:budget - tried]
-        chosen = choose(options)
-        if not picked or (tried and (chosen.trial_ms is not None or chosen.link_paced)):
-            break  # the link's pace is the model's to predict
+        picked = contenders(options_for(profile))[:max_contenders - tried]
+        if not picked:
+            break
         profile = _read_in_turn(profile, picked, try_candidate)
     tried = len({(s, d) for s, d, _ in profile.trial_paces})
     finalists = sorted((c for c in options_for(profile) if c.feasible and c.trial_ms is not None),
                        key=lambda c: c.trial_ms)[:2]
     if len(finalists) == 2 and finalists[1].trial_ms <= PLAYOFF_WITHIN * finalists[0].trial_ms \
-            and tried + 2 <= budget:
+            and tried + 2 <= max_contenders:
         # Side by side, the machine's drift falls on both: these readings supersede theirs.
         keys = {(c.split, c.dtype) for c in finalists}
         others = tuple(reading for reading in profile.trial_paces if reading[:2] not in keys)

@@ -29,15 +29,14 @@ from hapi.wire import WIRE_DTYPES
 
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
 FLOAT32_BYTES = 4
-# Candidates predicted within this factor of the best are tried before the choice, TRIALS
-# of them a round, unless the link clearly paces them. Rounds go on while the choice is a
-# candidate not tried yet (a trial measures what the model leaves out, so the model flatters
-# an untried candidate against a tried one), up to TRIAL_SETS sets of TRIAL_READINGS
-# readings, each taken in turn with the round's others, so that a drift of the machine in
-# the meantime falls on all of them.
+# Candidates predicted within this factor of the best are tried before the choice (at most
+# TRIALS of them a round, for TRIAL_ROUNDS rounds: a contender tried slower can bring
+# another within reach), unless the link clearly paces them. Each gets TRIAL_READINGS
+# readings, taken in turn with the round's others, so that a drift of the machine in the
+# meantime falls on all of them.
 TRIAL_WITHIN = 1.25
 TRIALS = 2
-TRIAL_SETS = 8
+TRIAL_ROUNDS = 2
 TRIAL_READINGS = 2
 TRIAL_ITERATIONS = 6  # timed iterations of a trial, once its pipeline is full
 TRIAL_SHARE = 0.1  # the trials read at most this share of the samples the run will train

@@ -34,7 +34,8 @@ from hapi.models import build_model
 from hapi.planner import (
     TRIAL_ITERATIONS,
     TRIAL_READINGS,
-    TRIAL_SETS,
+    TRIAL_ROUNDS,
+    TRIALS,
     Candidate,
     candidates,
     contenders,
@@ -293,14 +294,14 @@ def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClie
     tried = time_contenders(profile, options_for, try_candidate)
     # Every first-round contender got its readings; no more were taken than the policy allows.
     assert all(sum((s, d) == (c.split, c.dtype) for s, d, _ in tried.trial_paces) == TRIAL_READINGS for c in first)
-    assert len(trials) <= TRIAL_SETS * TRIAL_READINGS
+    assert len(trials) <= (TRIALS * TRIAL_ROUNDS + 2) * TRIAL_READINGS  # a playoff reads two more sets
     # Each trial trained its fill (2 requests in flight: one batch of 4) and the timed
     # iterations, on the samples cycled; the batch in flight when the clock stopped is not trained.
     assert len(steps) == len(trials) * (1 + TRIAL_ITERATIONS)
     # What a trial measured is the pace the planner now charges that candidate.
     assert all(evaluate(tried, s, d, 4, 1000).trial_ms == tried.trial_pace(s, d) > 0 for s, d, _ in tried.trial_paces)
     # A budget of one contender tries the first one only, in full.
-    once = time_contenders(profile, options_for, try_candidate, budget=1)
+    once = time_contenders(profile, options_for, try_candidate, max_contenders=1)
     assert [(s, d) for s, d, _ in once.trial_paces] == [(first[0].split, first[0].dtype)] * TRIAL_READINGS
 
 
