@@ -79,3 +79,9 @@ def test_a_rival_is_timed_again_only_while_its_ratio_is_too_close_to_the_5_perce
     assert not split_sweep.in_play([line] * 6, 6)  # at most max_rounds windows
     # Noisy ratios keep a rival in play longer than steady ones at the same median.
     assert split_sweep.in_play([0.8, 0.88, 1.0], 6) and not split_sweep.in_play([0.87, 0.88, 0.89], 6)
+
+
+@pytest.mark.skipif(twohosts.available() is not None, reason=f"two emulated hosts: {twohosts.available()}")
+def test_paired_windows_time_two_splits_alternately() -> None:
+    out = _run("experiments.paired_windows", "--quick", "--model", "resnet18", "--splits", "9,11")
+    assert out.count("ms/iter:") == 2 and "pair by pair:" in out
