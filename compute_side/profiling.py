@@ -181,17 +181,27 @@ def train_pace_ms(loader: PipelinedLoader, train_step: Callable[[Batch], object]
     raise ValueError(f"{len(batches)} batches cannot cover {warmup} warm-up and {timed} timed iterations")
 
 
-def _trial_batches(batch_size: int, request_size: int, depth: int) -> tuple[int, int]:
-    """(batches in flight, batches read) of one trial."""
-    fill = max(1, math.ceil(max(depth, 1) / math.ceil(batch_size / request_size)))
-    return fill, 2 * fill + TRIAL_ITERATIONS
+def _in_flight(batch_size: int, request_size: int, depth: int) -> int:
+    """Batches in flight with ``depth`` requests of ``request_size`` samples."""
+    return max(1, math.ceil(max(depth, 1) / math.ceil(batch_size / request_size)))
+
+
+def window_ms(source: Source, train_step: Callable[[Batch], object], samples: Sequence[Sample], batch_size: int,
+              request_size: int, depth: int, warmup: int, timed: int,
+              give_up_ms: float = float("inf")) -> tuple[float, bool]:
+    """(ms per iteration, stopped early) of training from ``source`` through ``depth``
+    requests in flight: ``timed`` iterations after ``warmup``, with as many batches again in
+    flight when the clock stops, ``samples`` cycled as often as that needs."""
+    read = warmup + timed + _in_flight(batch_size, request_size, depth)
+    batches = batches_of(list(itertools.islice(itertools.cycle(samples), read * batch_size)), batch_size)
+    return train_pace_ms(PipelinedLoader(source, request_size, depth), train_step, batches, warmup, timed, give_up_ms)
 
 
 def contenders_within(run_samples: int, batch_size: int, request_size: int, depth: int) -> int:
     """How many sets of ``TRIAL_READINGS`` trials (a contender's, or half a playoff's) a run
-    of ``run_samples`` can afford: the trials read at most ``TRIAL_SHARE`` of its samples (a short run is
-    better served by the model than by trials longer than itself)."""
-    trial_samples = _trial_batches(batch_size, request_size, depth)[1] * batch_size
+    of ``run_samples`` can afford: the trials read at most ``TRIAL_SHARE`` of its samples (a
+    short run is better served by the model than by trials longer than itself)."""
+    trial_samples = (2 * _in_flight(batch_size, request_size, depth) + TRIAL_ITERATIONS) * batch_size
     return int(TRIAL_SHARE * run_samples) // (trial_samples * TRIAL_READINGS)
 
 
@@ -199,9 +209,8 @@ def trial_ms(source: Source, train_step: Callable[[Batch], object], samples: Seq
              request_size: int, depth: int) -> float:
     """Per sample, the pace of a short training run from ``source``: ``TRIAL_ITERATIONS``
     timed once the pipeline is full, as many in flight when the clock stops."""
-    fill, read = _trial_batches(batch_size, request_size, depth)
-    batches = batches_of(list(itertools.islice(itertools.cycle(samples), read * batch_size)), batch_size)
-    ms, _ = train_pace_ms(PipelinedLoader(source, request_size, depth), train_step, batches, fill, TRIAL_ITERATIONS)
+    fill = _in_flight(batch_size, request_size, depth)
+    ms, _ = window_ms(source, train_step, samples, batch_size, request_size, depth, fill, TRIAL_ITERATIONS)
     return ms / batch_size
 
 
@@ -215,21 +224,23 @@ def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Cand
     side and these readings replace theirs (a playoff). At most ``max_contenders`` sets of
     ``TRIAL_READINGS`` readings are taken, each in full; a playoff takes two."""
     for _ in range(TRIAL_ROUNDS):
-        tried = len({(s, d) for s, d, _ in profile.trial_paces})
-        picked = contenders(options_for(profile))[:max_contenders - tried]
+        picked = contenders(options_for(profile))[:max_contenders - _tried(profile)]
         if not picked:
             break
         profile = _read_in_turn(profile, picked, try_candidate)
-    tried = len({(s, d) for s, d, _ in profile.trial_paces})
     finalists = sorted((c for c in options_for(profile) if c.feasible and c.trial_ms is not None),
                        key=lambda c: c.trial_ms)[:2]
     if len(finalists) == 2 and finalists[1].trial_ms <= PLAYOFF_WITHIN * finalists[0].trial_ms \
-            and tried + 2 <= max_contenders:
+            and _tried(profile) + 2 <= max_contenders:
         # Side by side, the machine's drift falls on both: these readings supersede theirs.
         keys = {(c.split, c.dtype) for c in finalists}
         others = tuple(reading for reading in profile.trial_paces if reading[:2] not in keys)
         profile = _read_in_turn(replace(profile, trial_paces=others), finalists, try_candidate)
     return profile
+
+
+def _tried(profile: Profile) -> int:
+    return len({(split, dtype) for split, dtype, _ in profile.trial_paces})
 
 
 def _read_in_turn(profile: Profile, picked: Sequence[Candidate],

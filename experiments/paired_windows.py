@@ -12,7 +12,6 @@ behind the split sweep's bracketed verdict, and a way to check a case it called.
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import statistics
 import sys
@@ -22,8 +21,7 @@ from pathlib import Path
 import torch
 
 from compute_side.client import StorageClient
-from compute_side.loader import PipelinedLoader, batches_of
-from compute_side.profiling import train_pace_ms
+from compute_side.profiling import window_ms
 from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
 from hapi.models import build_model
@@ -53,7 +51,6 @@ def main() -> int:
         return 2
     first, second = (int(s) for s in args.splits.split(","))
     torch.set_num_threads(1)  # one core per host
-    depth = DEFAULT_DEPTH
     windows: dict[int, list[float]] = {first: [], second: []}
     with tempfile.TemporaryDirectory() as tmp, twohosts.TwoHosts() as hosts:
         storage = hosts.start_storage_host(Path(tmp), "paired", train_per_class=-(-args.samples // 10),
@@ -66,13 +63,11 @@ def main() -> int:
         transform = TransformSpec(crop_size=args.image_size, resize_size=round(args.image_size * 256 / 224))
         template = ExtractRequest(keys=(), model=args.model, split=0, transform=transform, job_id="paired")
         sources = Sources([StorageClient(storage.node)], storage.store, template, transform)
-        read = args.batch_size * (depth + args.iterations + depth)
-        batches = batches_of(list(itertools.islice(itertools.cycle(samples), read)), args.batch_size)
         for pair in range(args.pairs):
             for split in (first, second) if pair % 2 == 0 else (second, first):  # neither always goes first
-                loader = PipelinedLoader(sources.build(split, "float32")[0], args.batch_size, depth)
-                ms, _ = train_pace_ms(loader, lambda b: trainer.train_step(b.features, b.labels, b.split), batches,
-                                      depth, args.iterations)
+                ms, _ = window_ms(sources.build(split, "float32")[0],
+                                  lambda b: trainer.train_step(b.features, b.labels, b.split), samples,
+                                  args.batch_size, args.batch_size, DEFAULT_DEPTH, DEFAULT_DEPTH, args.iterations)
                 windows[split].append(ms)
     ratios = [a / b for a, b in zip(windows[first], windows[second])]
     for split, times in windows.items():

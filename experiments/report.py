@@ -75,7 +75,7 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         per_case[key] = {"chosen": v.chosen, "best": v.best, "batch": batch, "regret": v.regret,
                          "baseline": next(r for r in case if r["split"] == ALL_IN_COMPUTE),
                          "freeze": max(case, key=lambda r: int(r["split"])),
-                         "within": v.within, "within_first": v.first_regret <= 0.05}
+                         "within": v.within, "within_first": v.first_within}
 
     def rate(row: dict) -> float:
         return int(row["batch_size"]) * 1e3 / float(row["measured_ms"])
@@ -141,7 +141,8 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
                      for (m, bw), c in sorted(per_case.items())
                      if float(c["freeze"]["measured_ms"]) > float(c["baseline"]["measured_ms"])]
     misses = [f"{m} at {bw:g} Mbit/s: chose {c['chosen']['candidate']}, {c['regret']:.1%} slower than "
-              f"{c['best']['candidate']} (ratios {c['best']['ratios_to_choice']})"
+              f"{c['best']['candidate']} "
+              + (f"(ratios {c['best']['ratios_to_choice']})" if c["best"]["ratios_to_choice"] else "(screening)")
               for (m, bw), c in sorted(per_case.items()) if not c["within"]]
     return [
         "## Headline", "", table(headline, list(headline[0])), "",

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import itertools
 import logging
 import math
 import statistics
@@ -46,8 +45,8 @@ from pathlib import Path
 import torch
 
 from compute_side.client import StorageClient
-from compute_side.loader import Batch, PipelinedLoader, Source, batches_of
-from compute_side.profiling import measure_profile, time_contenders, train_pace_ms, trial_ms
+from compute_side.loader import Batch, Source
+from compute_side.profiling import measure_profile, time_contenders, trial_ms, window_ms
 from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
 from hapi.models import build_model
@@ -107,10 +106,8 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
                  explain(profile, options, chosen))
 
     def measure(c: Candidate, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
-        read = args.batch_size * (args.warmup + timed + args.depth)  # the samples again as often as needed
-        batches = batches_of(list(itertools.islice(itertools.cycle(samples), read)), args.batch_size)
-        return train_pace_ms(PipelinedLoader(source_for(c), args.batch_size, args.depth), step, batches,
-                             args.warmup, timed, give_up_ms)
+        return window_ms(source_for(c), step, samples, args.batch_size, args.batch_size, args.depth, args.warmup,
+                         timed, give_up_ms)
 
     rows = []
     best_ms = float("inf")  # per iteration
@@ -206,6 +203,10 @@ class Verdict:
     def within(self) -> bool:
         return self.regret <= WITHIN - 1
 
+    @property
+    def first_within(self) -> bool:
+        return self.first_regret <= WITHIN - 1
+
 
 def verdict(case: list[dict]) -> Verdict:
     """The verdict on a case's rows (as written or as read back from the CSV)."""
@@ -237,7 +238,7 @@ def summarise(rows: list[dict]) -> str:
                      f"best {v.best['candidate']:16s} (choice +{v.regret:.1%})  {'ok' if v.within else 'MISS':4s}  "
                      f"speed-up vs all-in-compute {baseline['measured_ms'] / v.chosen['measured_ms']:.2f}x")
     good = sum(v.within for v in verdicts)
-    first_good = sum(v.first_regret <= WITHIN - 1 for v in verdicts)
+    first_good = sum(v.first_within for v in verdicts)
     regret = [v.regret for v in verdicts]
     lines.append(f"choice best or within 5% of best: {good}/{len(cases)} = {good / len(cases):.1%} "
                  f"({first_good}/{len(cases)} by each rival's first bracketed window alone); "
