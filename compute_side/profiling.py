@@ -24,7 +24,8 @@ from hapi.planner import (
     PLAYOFF_WITHIN,
     TRIAL_ITERATIONS,
     TRIAL_READINGS,
-    TRIAL_ROUNDS,
+    TRIAL_SECONDS,
+    TRIAL_SETS,
     TRIAL_SHARE,
     TRIALS,
     Candidate,
@@ -197,36 +198,43 @@ def window_ms(source: Source, train_step: Callable[[Batch], object], samples: Se
     return train_pace_ms(PipelinedLoader(source, request_size, depth), train_step, batches, warmup, timed, give_up_ms)
 
 
-def contenders_within(run_samples: int, batch_size: int, request_size: int, depth: int) -> int:
+def trial_iterations(pace_ms: float, batch_size: int, seconds: float = TRIAL_SECONDS) -> int:
+    """Timed iterations of a trial at ``pace_ms`` a sample: ``TRIAL_ITERATIONS``, or more to last ``seconds``."""
+    return max(TRIAL_ITERATIONS, math.ceil(seconds * 1e3 / (pace_ms * batch_size)))
+
+
+def contenders_within(run_samples: int, batch_size: int, request_size: int, depth: int, pace_ms: float) -> int:
     """How many sets of ``TRIAL_READINGS`` trials (a contender's, or half a playoff's) a run
-    of ``run_samples`` can afford: the trials read at most ``TRIAL_SHARE`` of its samples (a
-    short run is better served by the model than by trials longer than itself)."""
-    trial_samples = (2 * _in_flight(batch_size, request_size, depth) + TRIAL_ITERATIONS) * batch_size
+    of ``run_samples`` can afford when a sample takes about ``pace_ms``: the trials read at
+    most ``TRIAL_SHARE`` of its samples (a short run is better served by the model than by
+    trials longer than itself)."""
+    trial_samples = (2 * _in_flight(batch_size, request_size, depth) + trial_iterations(pace_ms, batch_size)) \
+        * batch_size
     return int(TRIAL_SHARE * run_samples) // (trial_samples * TRIAL_READINGS)
 
 
 def trial_ms(source: Source, train_step: Callable[[Batch], object], samples: Sequence[Sample], batch_size: int,
-             request_size: int, depth: int) -> float:
-    """Per sample, the pace of a short training run from ``source``: ``TRIAL_ITERATIONS``
-    timed once the pipeline is full, as many in flight when the clock stops."""
+             request_size: int, depth: int, predicted_ms: float, seconds: float = TRIAL_SECONDS) -> float:
+    """Per sample, the pace of a short training run from ``source``: ``trial_iterations``
+    timed once the pipeline is full (sized by ``predicted_ms`` a sample to last ``seconds``),
+    as many in flight when the clock stops."""
     fill = _in_flight(batch_size, request_size, depth)
-    ms, _ = window_ms(source, train_step, samples, batch_size, request_size, depth, fill, TRIAL_ITERATIONS)
+    timed = trial_iterations(predicted_ms, batch_size, seconds)
+    ms, _ = window_ms(source, train_step, samples, batch_size, request_size, depth, fill, timed)
     return ms / batch_size
 
 
 def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Candidate]],
-                    try_candidate: Callable[[Candidate], float],
-                    max_contenders: int = TRIALS * TRIAL_ROUNDS + 2) -> Profile:
+                    try_candidate: Callable[[Candidate], float], max_contenders: int = TRIAL_SETS) -> Profile:
     """The profile with trial runs at the planner's contenders (``try_candidate``: ms per
     sample): where the model's ranking is close, a run of each decides. A contender tried
-    slower can leave a new one in front; it is tried in a second round. When the two
-    fastest tried are within ``PLAYOFF_WITHIN`` of each other, they are read again side by
-    side and these readings replace theirs (a playoff). At most ``max_contenders`` sets of
-    ``TRIAL_READINGS`` readings are taken, each in full; a playoff takes two."""
-    for _ in range(TRIAL_ROUNDS):
-        picked = contenders(options_for(profile))[:max_contenders - _tried(profile)]
-        if not picked:
-            break
+    slower can leave a new one in front; it is tried in another round, while the budget
+    lasts. When the two fastest tried are within ``PLAYOFF_WITHIN`` of each other, they are
+    read again side by side and these readings replace theirs (a playoff). At most
+    ``max_contenders`` sets of ``TRIAL_READINGS`` readings are taken, each in full; a
+    playoff takes two, kept for it when the budget also has room for a full round."""
+    rounds_budget = max_contenders - 2 if max_contenders >= TRIALS + 2 else max_contenders
+    while picked := contenders(options_for(profile))[:max(0, rounds_budget - _tried(profile))]:
         profile = _read_in_turn(profile, picked, try_candidate)
     finalists = sorted((c for c in options_for(profile) if c.feasible and c.trial_ms is not None),
                        key=lambda c: c.trial_ms)[:2]

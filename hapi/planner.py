@@ -12,16 +12,22 @@ first batch pays for all three (fill) before the pipeline runs. Per sample:
                   + a request's fixed cost / samples per request
                   (all-in-compute: storage = this tier's reads across the link; compute =
                   their client CPU + decode + every frozen stage + train step)
-    epoch(s)    = N x max(storage, transfer, compute) + B x (sum - max)
+    pace(s)     = max(storage, transfer, compute) + loss x (sum - max)
+    epoch(s)    = N x pace(s) + B x (sum - max)
 
 Splits whose compute-side memory for one batch exceeds the budget are dropped. Where the
 ranking is close, the model only shortlists: each contender is tried, a short training
 run with its pipeline full, and the pace it measured (``trial_paces``) replaces the
-steady-state max for it.
+model's for it; the choice is then made among the tried (and link-paced) ones. The
+``loss`` is the share of the other stages' time that the trials show was not hidden behind
+the bottleneck (0 before any trial): tiers that share CPUs, or a link whose transfers cost
+both ends CPU, overlap less than the max says, and a split with small stages beside its
+bottleneck loses less.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from hapi.profile import Profile
@@ -30,15 +36,18 @@ from hapi.wire import WIRE_DTYPES
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
 FLOAT32_BYTES = 4
 # Candidates predicted within this factor of the best are tried before the choice (at most
-# TRIALS of them a round, for TRIAL_ROUNDS rounds: a contender tried slower can bring
-# another within reach), unless the link clearly paces them. Each gets TRIAL_READINGS
+# TRIALS of them a round, in rounds while the budget lasts: a contender tried slower can
+# bring another within reach), unless the link clearly paces them. Each gets TRIAL_READINGS
 # readings, taken in turn with the round's others, so that a drift of the machine in the
-# meantime falls on all of them.
+# meantime falls on all of them. At most TRIAL_SETS sets of readings, a playoff's included.
 TRIAL_WITHIN = 1.25
 TRIALS = 2
-TRIAL_ROUNDS = 2
 TRIAL_READINGS = 2
-TRIAL_ITERATIONS = 6  # timed iterations of a trial, once its pipeline is full
+TRIAL_SETS = 8
+# A trial times at least TRIAL_ITERATIONS once its pipeline is full, and at least
+# TRIAL_SECONDS by the model's pace: windows of 1-2 s misread paces by 10-20% (sweep M).
+TRIAL_ITERATIONS = 6
+TRIAL_SECONDS = 3.0
 TRIAL_SHARE = 0.1  # the trials read at most this share of the samples the run will train
 # The two fastest tried candidates, when this close, were maybe read in different rounds,
 # minutes apart, while the machine drifted: they are read again side by side (a playoff).
@@ -55,9 +64,10 @@ class Candidate:
     transfer_ms: float
     compute_ms: float
     compute_memory: float  # bytes for one batch on the compute tier
+    steady_ms: float  # per sample in steady state: the trial's pace, or the model's
     epoch_s: float
     feasible: bool
-    trial_ms: float | None = None  # per sample, the pace a trial run measured; it sets epoch_s
+    trial_ms: float | None = None  # per sample, the pace a trial run measured
 
     @property
     def link_paced(self) -> bool:
@@ -114,8 +124,10 @@ def _compute_memory(profile: Profile, split: int, batch_size: int) -> float:
 
 
 def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples: int,
-             compute_memory_budget: float = float("inf"), request_size: int | None = None) -> Candidate:
-    """Predicted cost of one candidate (requests of ``request_size`` samples, default the batch)."""
+             compute_memory_budget: float = float("inf"), request_size: int | None = None,
+             overlap_loss: float = 0.0) -> Candidate:
+    """Predicted cost of one candidate (requests of ``request_size`` samples, default the
+    batch; ``overlap_loss`` of the non-bottleneck stages not hidden, see ``overlap_loss``)."""
     request_size = request_size or batch_size
     storage, compute = profile.storage, profile.compute
     frozen_here = sum(compute.forward_ms[max(split, 0): profile.freeze_index])
@@ -134,22 +146,38 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
         compute_ms = frozen_here + compute.train_ms + storage.request_ms / request_size
     transfer_ms = per_sample / profile.bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
+    others = sum(stages) - max(stages)
     trial_ms = profile.trial_pace(split, dtype)
-    steady_ms = max(stages) if trial_ms is None else trial_ms
-    epoch_ms = samples * steady_ms + min(batch_size, samples) * (sum(stages) - max(stages))
+    steady_ms = max(stages) + overlap_loss * others if trial_ms is None else trial_ms
+    epoch_ms = samples * steady_ms + min(batch_size, samples) * others
     memory = _compute_memory(profile, split, batch_size)
-    return Candidate(split, dtype, per_sample, storage_ms, transfer_ms, compute_ms, memory,
+    return Candidate(split, dtype, per_sample, storage_ms, transfer_ms, compute_ms, memory, steady_ms,
                      epoch_ms / 1e3, memory <= compute_memory_budget, trial_ms)
+
+
+def overlap_loss(tried: list[Candidate]) -> float:
+    """The share of the non-bottleneck stages' time that the trials of ``tried`` did not hide
+    (their median, within [0, 1]): the model's max assumes the stages overlap perfectly."""
+    losses = []
+    for c in tried:
+        stages = (c.storage_ms, c.transfer_ms, c.compute_ms)
+        if c.trial_ms is not None and sum(stages) > max(stages):
+            losses.append((c.trial_ms - max(stages)) / (sum(stages) - max(stages)))
+    return min(max(statistics.median(losses), 0.0), 1.0) if losses else 0.0
 
 
 def candidates(profile: Profile, batch_size: int, samples: int, dtypes: tuple[str, ...] = ("float32",),
                compute_memory_budget: float = float("inf"), request_size: int | None = None) -> list[Candidate]:
-    """Every split up to the freeze index in every allowed wire dtype, and all-in-compute."""
-    out = [evaluate(profile, ALL_IN_COMPUTE, "float32", batch_size, samples, compute_memory_budget, request_size)]
-    for split in range(profile.freeze_index + 1):
-        for dtype in dtypes:
-            out.append(evaluate(profile, split, dtype, batch_size, samples, compute_memory_budget, request_size))
-    return out
+    """Every split up to the freeze index in every allowed wire dtype, and all-in-compute;
+    those not tried are charged the overlap loss the tried ones measured."""
+    keys = [(ALL_IN_COMPUTE, "float32")] + [(split, dtype) for split in range(profile.freeze_index + 1)
+                                             for dtype in dtypes]
+
+    def priced(loss: float) -> list[Candidate]:
+        return [evaluate(profile, split, dtype, batch_size, samples, compute_memory_budget, request_size, loss)
+                for split, dtype in keys]
+
+    return priced(overlap_loss(priced(0.0)))
 
 
 def contenders(options: list[Candidate]) -> list[Candidate]:
@@ -166,10 +194,15 @@ def contenders(options: list[Candidate]) -> list[Candidate]:
 
 def choose(options: list[Candidate]) -> Candidate:
     """The fastest feasible candidate; among near-ties (1%), the one whose stages are least
-    balanced (most slack), then the one that moves fewer bytes."""
+    balanced (most slack), then the one that moves fewer bytes. Once trials have run, only
+    the tried candidates and those the link paces are chosen from: the model flatters what
+    was not tried (every trial of sweep M's alexnet at 25 Mbit/s read 10-25% slower than
+    predicted), and a measured pace beats a predicted one."""
     feasible = [c for c in options if c.feasible]
     if not feasible:
         raise ValueError("no split fits the compute tier's memory; lower --batch-size")
+    if any(c.trial_ms is not None for c in feasible):
+        feasible = [c for c in feasible if c.trial_ms is not None or c.link_paced]
     best = min(c.epoch_s for c in feasible)
     near_ties = [c for c in feasible if c.epoch_s <= best * 1.01]
     return min(near_ties, key=lambda c: (-c.slack, c.bytes_per_sample, c.epoch_s))

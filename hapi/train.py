@@ -192,7 +192,8 @@ def plan(args: argparse.Namespace, model: StagedModel, clients: list[StorageClie
     def options_for(p: Profile) -> list[Candidate]:
         return candidates(p, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
 
-    affordable = contenders_within(args.epochs * len(samples), args.batch_size, args.request_size, args.depth)
+    affordable = contenders_within(args.epochs * len(samples), args.batch_size, args.request_size, args.depth,
+                                   choose(options_for(profile)).steady_ms)
     if not affordable:
         log.info("no trials: a run of %d epoch(s) of %d samples is too short to afford them", args.epochs, len(samples))
     else:
@@ -201,7 +202,7 @@ def plan(args: argparse.Namespace, model: StagedModel, clients: list[StorageClie
         def try_candidate(c: Candidate) -> float:
             return trial_ms(sources.build(c.split, c.dtype)[0],
                             lambda batch: trial_trainer.train_step(batch.features, batch.labels, batch.split),
-                            samples, args.batch_size, args.request_size, args.depth)
+                            samples, args.batch_size, args.request_size, args.depth, c.steady_ms)
 
         profile = time_contenders(profile, options_for, try_candidate, affordable)
     options = options_for(profile)

@@ -34,8 +34,7 @@ from hapi.models import build_model
 from hapi.planner import (
     TRIAL_ITERATIONS,
     TRIAL_READINGS,
-    TRIAL_ROUNDS,
-    TRIALS,
+    TRIAL_SETS,
     Candidate,
     candidates,
     contenders,
@@ -287,14 +286,14 @@ def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClie
 
     def try_candidate(c: Candidate) -> float:
         trials.append(c)
-        return trial_ms(sources.build(c.split, c.dtype)[0], step, samples, 4, 2, 2)
+        return trial_ms(sources.build(c.split, c.dtype)[0], step, samples, 4, 2, 2, c.steady_ms, seconds=0)
 
     first = contenders(options_for(profile))
     assert first  # on loopback no candidate is link-paced, and several are within reach of the best
     tried = time_contenders(profile, options_for, try_candidate)
     # Every first-round contender got its readings; no more were taken than the policy allows.
     assert all(sum((s, d) == (c.split, c.dtype) for s, d, _ in tried.trial_paces) == TRIAL_READINGS for c in first)
-    assert len(trials) <= (TRIALS * TRIAL_ROUNDS + 2) * TRIAL_READINGS  # a playoff reads two more sets
+    assert len(trials) <= TRIAL_SETS * TRIAL_READINGS
     # Each trial trained its fill (2 requests in flight: one batch of 4) and the timed
     # iterations, on the samples cycled; the batch in flight when the clock stopped is not trained.
     assert len(steps) == len(trials) * (1 + TRIAL_ITERATIONS)
@@ -306,10 +305,13 @@ def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClie
 
 
 def test_a_short_run_affords_no_trials() -> None:
-    # A trial reads 2 x 4 batches in flight + TRIAL_ITERATIONS batches: 14 x 32 samples here,
-    # and a contender gets TRIAL_READINGS of them; the trials read a tenth of the run's samples.
-    assert contenders_within(10 * TRIAL_READINGS * 10 * 14 * 32, 32, 32, 4) == 10
-    assert contenders_within(960, 32, 32, 4) == 0  # the demo's one epoch: the model alone decides
+    # A trial reads 2 x 4 batches in flight + TRIAL_ITERATIONS batches: 14 x 32 samples here at
+    # 100 ms a sample, and a contender gets TRIAL_READINGS of them; the trials read a tenth of the
+    # run's samples.
+    assert contenders_within(10 * TRIAL_READINGS * 10 * 14 * 32, 32, 32, 4, pace_ms=100.0) == 10
+    # At 1 ms a sample a trial times ceil(3 s / 32 ms) = 94 iterations, to last TRIAL_SECONDS.
+    assert contenders_within(10 * TRIAL_READINGS * 10 * 102 * 32, 32, 32, 4, pace_ms=1.0) == 10
+    assert contenders_within(960, 32, 32, 4, pace_ms=100.0) == 0  # the demo's epoch: the model alone decides
 
 
 def test_steady_pace_leaves_out_the_fill() -> None:
