@@ -64,8 +64,7 @@ RESULTS = Path(__file__).parent / "results" / "split_sweep"
 PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
 FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage", "bytes_per_sample", "predicted_ms",
           "measured_ms", "timed_iterations", "long_windows_ms", "vs_choice", "ratios_to_choice", "confirm_ratios",
-          "stopped_early",
-          "chosen", "bottleneck", "tried")
+          "stopped_early", "chosen", "bottleneck", "tried")
 # A candidate slower than this many times the best so far is stopped, or not started when
 # its bytes alone would take that long on the link; a lower bound is kept either way.
 GIVE_UP_FACTOR = 1.6
