@@ -23,6 +23,7 @@ from hapi.models import StagedModel
 from hapi.planner import (
     PLAYOFF_WITHIN,
     TRIAL_ITERATIONS,
+    TRIAL_OVERRUN,
     TRIAL_READINGS,
     TRIAL_SECONDS,
     TRIAL_SETS,
@@ -217,10 +218,11 @@ def trial_ms(source: Source, train_step: Callable[[Batch], object], samples: Seq
              request_size: int, depth: int, predicted_ms: float, seconds: float = TRIAL_SECONDS) -> float:
     """Per sample, the pace of a short training run from ``source``: ``trial_iterations``
     timed once the pipeline is full (sized by ``predicted_ms`` a sample to last ``seconds``),
-    as many in flight when the clock stops."""
+    as many in flight when the clock stops; stopped at ``TRIAL_OVERRUN`` times the prediction."""
     fill = _in_flight(batch_size, request_size, depth)
     timed = trial_iterations(predicted_ms, batch_size, seconds)
-    ms, _ = window_ms(source, train_step, samples, batch_size, request_size, depth, fill, timed)
+    ms, _ = window_ms(source, train_step, samples, batch_size, request_size, depth, fill, timed,
+                      give_up_ms=TRIAL_OVERRUN * predicted_ms * batch_size)
     return ms / batch_size
 
 

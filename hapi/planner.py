@@ -48,6 +48,9 @@ TRIAL_SETS = 8
 # TRIAL_SECONDS by the model's pace: windows of 1-2 s misread paces by 10-20% (sweep M).
 TRIAL_ITERATIONS = 6
 TRIAL_SECONDS = 3.0
+# Sized by a prediction, a trial stops once it runs this many times slower than predicted (its
+# pace so far stands): a candidate that slow has lost, and a wrong model cannot stretch a trial.
+TRIAL_OVERRUN = 5.0
 TRIAL_SHARE = 0.1  # the trials read at most this share of the samples the run will train
 # The two fastest tried candidates, when this close, were maybe read in different rounds,
 # minutes apart, while the machine drifted: they are read again side by side (a playoff).
@@ -196,8 +199,8 @@ def choose(options: list[Candidate]) -> Candidate:
     """The fastest feasible candidate; among near-ties (1%), the one whose stages are least
     balanced (most slack), then the one that moves fewer bytes. Once trials have run, only
     the tried candidates and those the link paces are chosen from: the model flatters what
-    was not tried (every trial of sweep M's alexnet at 25 Mbit/s read 10-25% slower than
-    predicted), and a measured pace beats a predicted one."""
+    was not tried (alexnet's trials at 25 Mbit/s read 13-51% slower than its max), and a
+    measured pace beats a predicted one."""
     feasible = [c for c in options if c.feasible]
     if not feasible:
         raise ValueError("no split fits the compute tier's memory; lower --batch-size")

@@ -299,6 +299,10 @@ def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClie
     assert len(steps) == len(trials) * (1 + TRIAL_ITERATIONS)
     # What a trial measured is the pace the planner now charges that candidate.
     assert all(evaluate(tried, s, d, 4, 1000).trial_ms == tried.trial_pace(s, d) > 0 for s, d, _ in tried.trial_paces)
+    # A trial sized by a prediction far too fast is stopped, not stretched: here after its first batch.
+    steps.clear()
+    assert trial_ms(sources.build(first[0].split, first[0].dtype)[0], step, samples, 4, 2, 2, 1e-6, seconds=0) > 0
+    assert len(steps) == 1
     # A budget of one contender tries the first one only, in full.
     once = time_contenders(profile, options_for, try_candidate, max_contenders=1)
     assert [(s, d) for s, d, _ in once.trial_paces] == [(first[0].split, first[0].dtype)] * TRIAL_READINGS

@@ -8,7 +8,6 @@ from compute_side.profiling import time_contenders
 from hapi.planner import (
     ALL_IN_COMPUTE,
     TRIAL_READINGS,
-    TRIAL_SETS,
     TRIALS,
     Candidate,
     candidates,
@@ -142,9 +141,9 @@ def test_trial_rounds_go_on_while_contenders_are_left_and_the_choice_is_a_tried_
     p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
     calls = []
 
-    def try_candidate(c: Candidate) -> float:  # the model flatters every candidate alike
+    def try_candidate(c: Candidate) -> float:  # the model's max flatters every candidate alike
         calls.append(c.split)
-        return 1.3 * c.steady_ms
+        return 1.3 * max(c.storage_ms, c.transfer_ms, c.compute_ms)
 
     def options_for(q: Profile) -> list[Candidate]:
         return candidates(q, 32, 1000)
@@ -155,7 +154,7 @@ def test_trial_rounds_go_on_while_contenders_are_left_and_the_choice_is_a_tried_
     # x 36.5 = 145.7 ms) came within 25% of 130 and a second round tried it; split 0 (186 ms) did
     # not. The finalists, 130 and 156 ms, are too far apart for a playoff.
     assert calls == [3, 2] * TRIAL_READINGS + [4] * TRIAL_READINGS
-    assert contenders(options_for(tried)) == [] and len(calls) <= TRIAL_SETS * TRIAL_READINGS
+    assert contenders(options_for(tried)) == []
     chosen = choose(options_for(tried))
     assert chosen.split == 3 and chosen.trial_ms == pytest.approx(130.0)
 
