@@ -21,6 +21,7 @@ from compute_side.sources import IO_THREADS
 from hapi.datasets import Sample
 from hapi.models import StagedModel
 from hapi.planner import (
+    PLAYOFF_READINGS,
     PLAYOFF_WITHIN,
     TRIAL_ITERATIONS,
     TRIAL_OVERRUN,
@@ -232,20 +233,22 @@ def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Cand
     sample): where the model's ranking is close, a run of each decides. A contender tried
     slower can leave a new one in front; it is tried in another round, while the budget
     lasts. When the two fastest tried are within ``PLAYOFF_WITHIN`` of each other, they are
-    read again side by side and these readings replace theirs (a playoff). At most
-    ``max_contenders`` sets of ``TRIAL_READINGS`` readings are taken, each in full; a
-    playoff takes two, kept for it when the budget also has room for a full round."""
-    rounds_budget = max_contenders - 2 if max_contenders >= TRIALS + 2 else max_contenders
+    read again side by side, ``PLAYOFF_READINGS`` times each, and these readings replace
+    theirs (a playoff). At most ``max_contenders`` sets of ``TRIAL_READINGS`` readings are
+    taken, each in full; the playoff's sets are kept for it when the budget also has room
+    for a full round."""
+    playoff_sets = 2 * PLAYOFF_READINGS // TRIAL_READINGS
+    rounds_budget = max_contenders - playoff_sets if max_contenders >= TRIALS + playoff_sets else max_contenders
     while picked := contenders(options_for(profile))[:max(0, rounds_budget - _tried(profile))]:
-        profile = _read_in_turn(profile, picked, try_candidate)
+        profile = _read_in_turn(profile, picked, try_candidate, TRIAL_READINGS)
     finalists = sorted((c for c in options_for(profile) if c.feasible and c.trial_ms is not None),
                        key=lambda c: c.trial_ms)[:2]
     if len(finalists) == 2 and finalists[1].trial_ms <= PLAYOFF_WITHIN * finalists[0].trial_ms \
-            and _tried(profile) + 2 <= max_contenders:
+            and _tried(profile) + playoff_sets <= max_contenders:
         # Side by side, the machine's drift falls on both: these readings supersede theirs.
         keys = {(c.split, c.dtype) for c in finalists}
         others = tuple(reading for reading in profile.trial_paces if reading[:2] not in keys)
-        profile = _read_in_turn(replace(profile, trial_paces=others), finalists, try_candidate)
+        profile = _read_in_turn(replace(profile, trial_paces=others), finalists, try_candidate, PLAYOFF_READINGS)
     return profile
 
 
@@ -253,12 +256,13 @@ def _tried(profile: Profile) -> int:
     return len({(split, dtype) for split, dtype, _ in profile.trial_paces})
 
 
-def _read_in_turn(profile: Profile, picked: Sequence[Candidate],
-                  try_candidate: Callable[[Candidate], float]) -> Profile:
-    """``TRIAL_READINGS`` trials of each of ``picked``, taken in turn, added to the profile."""
+def _read_in_turn(profile: Profile, picked: Sequence[Candidate], try_candidate: Callable[[Candidate], float],
+                  readings: int) -> Profile:
+    """``readings`` trials of each of ``picked``, taken in turn and in alternating order
+    (A B B A ...), added to the profile."""
     paces = []
-    for _ in range(TRIAL_READINGS):
-        for c in picked:
+    for i in range(readings):
+        for c in picked if i % 2 == 0 else picked[::-1]:
             pace = try_candidate(c)
             log.info("trial of %s: %.1f ms a sample (predicted %.1f: storage %.1f, network %.1f, compute %.1f)",
                      c.label, pace, max(c.storage_ms, c.transfer_ms, c.compute_ms), c.storage_ms,

@@ -38,23 +38,26 @@ FLOAT32_BYTES = 4
 # Candidates predicted within this factor of the best are tried before the choice (at most
 # TRIALS of them a round, in rounds while the budget lasts: a contender tried slower can
 # bring another within reach), unless the link clearly paces them. Each gets TRIAL_READINGS
-# readings, taken in turn with the round's others, so that a drift of the machine in the
-# meantime falls on all of them. At most TRIAL_SETS sets of readings, a playoff's included.
+# readings, taken in turn with the round's others (A B B A: a steady drift of the machine in
+# the meantime falls on all of them alike). At most TRIAL_SETS sets of readings, a playoff's included.
 TRIAL_WITHIN = 1.25
 TRIALS = 2
 TRIAL_READINGS = 2
-TRIAL_SETS = 8
+TRIAL_SETS = 10
 # A trial times at least TRIAL_ITERATIONS once its pipeline is full, and at least
 # TRIAL_SECONDS by the model's pace: windows of 1-2 s misread paces by 10-20% (sweep M).
-TRIAL_ITERATIONS = 6
+TRIAL_ITERATIONS = 4
 TRIAL_SECONDS = 3.0
 # Sized by a prediction, a trial stops once it runs this many times slower than predicted (its
 # pace so far stands): a candidate that slow has lost, and a wrong model cannot stretch a trial.
 TRIAL_OVERRUN = 5.0
 TRIAL_SHARE = 0.1  # the trials read at most this share of the samples the run will train
 # The two fastest tried candidates, when this close, were maybe read in different rounds,
-# minutes apart, while the machine drifted: they are read again side by side (a playoff).
+# minutes apart, while the machine drifted: they are read again side by side (a playoff),
+# PLAYOFF_READINGS each: in sweep N, playoffs of 2 readings each, taken in a noisy spell,
+# overturned the rounds' order twice, and the rounds had it right (confirmed 9-15% apart).
 PLAYOFF_WITHIN = 1.1
+PLAYOFF_READINGS = 4
 LINK_BOUND = 1.5  # transfer / the slowest other stage, above which the link sets a candidate's pace
 
 

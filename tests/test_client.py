@@ -309,10 +309,10 @@ def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClie
 
 
 def test_a_short_run_affords_no_trials() -> None:
-    # A trial reads 2 x 4 batches in flight + TRIAL_ITERATIONS batches: 14 x 32 samples here at
+    # A trial reads 2 x 4 batches in flight + TRIAL_ITERATIONS (4) batches: 12 x 32 samples here at
     # 100 ms a sample, and a contender gets TRIAL_READINGS of them; the trials read a tenth of the
     # run's samples.
-    assert contenders_within(10 * TRIAL_READINGS * 10 * 14 * 32, 32, 32, 4, pace_ms=100.0) == 10
+    assert contenders_within(10 * TRIAL_READINGS * 10 * 12 * 32, 32, 32, 4, pace_ms=100.0) == 10
     # At 1 ms a sample a trial times ceil(3 s / 32 ms) = 94 iterations, to last TRIAL_SECONDS.
     assert contenders_within(10 * TRIAL_READINGS * 10 * 102 * 32, 32, 32, 4, pace_ms=1.0) == 10
     assert contenders_within(960, 32, 32, 4, pace_ms=100.0) == 0  # the demo's epoch: the model alone decides

@@ -60,6 +60,10 @@ def test_the_sweep_s_verdict_rests_on_the_confirmed_rival_s_ratios_to_the_choice
     assert abs(v.regret - (1 / 0.9 - 1)) < 1e-9
     # A rival confirmed 3% faster leaves the choice within 5%; none faster leaves it the best.
     assert split_sweep.verdict([case[0], _row("split 9", 190.0, ratios="0.97", confirm="0.97")]).within
+    # A rival that selection finds 3% faster is not confirmed (the winner's curse runs against
+    # the choice): its selection ratio stands.
+    close = split_sweep.verdict([case[0], _row("split 9", 190.0, ratios="0.97 0.96")])
+    assert close.within and close.best["candidate"] == "split 9" and abs(close.regret - (1 / 0.97 - 1)) < 1e-9
     slower = split_sweep.verdict([case[0], _row("split 9", 190.0, ratios="1.1 1.2")])
     assert slower.best is slower.chosen and slower.regret == 0
     # The winner's curse: of three rivals as fast as the choice, one looked 12% faster in selection;

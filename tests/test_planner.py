@@ -7,6 +7,7 @@ import pytest
 from compute_side.profiling import time_contenders
 from hapi.planner import (
     ALL_IN_COMPUTE,
+    PLAYOFF_READINGS,
     TRIAL_READINGS,
     TRIALS,
     Candidate,
@@ -127,14 +128,32 @@ def test_a_close_finish_read_minutes_apart_is_decided_by_a_playoff_side_by_side(
     # 110 and is read in round 2, in the faster spell: it looks the best. A budget of 3 sets has no
     # room for a playoff.
     unfair = time_contenders(p, options_for, try_candidate, max_contenders=3)
-    assert choose(options_for(unfair)).split == 4 and calls == [3, 2] * TRIAL_READINGS + [4] * TRIAL_READINGS
+    assert choose(options_for(unfair)).split == 4 and calls == [3, 2, 2, 3, 4, 4]  # each round in turn, A B B A
     calls.clear()
     fair = time_contenders(p, options_for, try_candidate)
-    assert calls[-2 * TRIAL_READINGS:] == [4, 3] * TRIAL_READINGS  # the playoff, in turn
+    assert calls[-2 * PLAYOFF_READINGS:] == [4, 3, 3, 4] * (PLAYOFF_READINGS // 2)  # the playoff, in turn
     assert choose(options_for(fair)).split == 3
     # Its readings replace the finalists' earlier ones; the others' stay.
     assert fair.trial_pace(3, "float32") == pytest.approx(101.2) and fair.trial_pace(2, "float32") == 120.0
     assert len(fair.trial_paces) == len(calls) - 2 * TRIAL_READINGS
+
+
+def test_one_slow_reading_in_a_playoff_does_not_decide_it() -> None:
+    p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
+    true_ms = {3: 110.0, 2: 120.0, 4: 114.0}
+    calls = []
+
+    def try_candidate(c: Candidate) -> float:  # the playoff's first reading of split 3 falls in a slow spell
+        calls.append(c.split)
+        slow = len(calls) == 7  # the playoff's first reading: split 3, the faster so far
+        return true_ms[c.split] * (1.3 if slow else 1.0)
+
+    fair = time_contenders(p, options_for=lambda q: candidates(q, 32, 1000), try_candidate=try_candidate)
+    # Rounds [3, 2, 2, 3] and [4, 4], then the playoff of 3 and 4. Split 3 reads 143, 110, 110, 110
+    # there: by the median, 110 against 114. Two readings each would have made it 126.5.
+    assert calls[6:] == [3, 4, 4, 3] * (PLAYOFF_READINGS // 2)
+    assert fair.trial_pace(3, "float32") == pytest.approx(110.0)
+    assert choose(candidates(fair, 32, 1000)).split == 3
 
 
 def test_trial_rounds_go_on_while_contenders_are_left_and_the_choice_is_a_tried_one() -> None:
@@ -153,7 +172,7 @@ def test_trial_rounds_go_on_while_contenders_are_left_and_the_choice_is_a_tried_
     # of their other stages, and the untried are charged the median loss (43%). Split 4 (130 + 0.43
     # x 36.5 = 145.7 ms) came within 25% of 130 and a second round tried it; split 0 (186 ms) did
     # not. The finalists, 130 and 156 ms, are too far apart for a playoff.
-    assert calls == [3, 2] * TRIAL_READINGS + [4] * TRIAL_READINGS
+    assert calls == [3, 2, 2, 3, 4, 4]
     assert contenders(options_for(tried)) == []
     chosen = choose(options_for(tried))
     assert chosen.split == 3 and chosen.trial_ms == pytest.approx(130.0)
