@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
-from experiments.split_sweep import GIVE_UP_FACTOR, RETIME_WITHIN, error_spread, verdict  # noqa: E402
+from experiments.split_sweep import GIVE_UP_FACTOR, RETIME_WITHIN, RIVALS, error_spread, verdict  # noqa: E402
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -154,7 +154,7 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         "stopped early (or not started when their bytes alone would take that long on the link): their time is "
         "a lower bound, and a ratio built on one is marked ≥ or ≤. The machine's speed drifts by tens of percent "
         "within a minute, so the verdict does not compare times taken a minute apart: the candidates screened "
-        f"within {RETIME_WITHIN - 1:.0%} of the best (the choice's rivals) were timed in long windows of "
+        f"within {RETIME_WITHIN - 1:.0%} of the best ({RIVALS} fastest at most: the choice's rivals) were timed in long windows of "
         f"{long} iterations or more, each bracketed by long windows of the choice, and a rival's time relative "
         "to the choice is the median of its ratios to the mean of its brackets; a rival got more windows while "
         "that median was within two standard errors of the 5% line (selection). The lowest of several noisy "

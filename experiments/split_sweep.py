@@ -21,8 +21,8 @@ stops), bandwidths 5-100 Mbit/s. A candidate 1.6x slower than the best so far is
 
 The verdict. The machine's speed drifts by tens of percent within a minute, more than the 5%
 at stake, so absolute times taken a minute apart cannot decide it. The candidates screened
-within 20% of the best are the choice's rivals: each is timed in long windows (10 iterations
-and 4 s at least), every one bracketed by long windows of the choice, and its time relative
+within 20% of the best (the 4 fastest at most) are the choice's rivals: each is timed in long
+windows (6 iterations and 4 s at least), every one bracketed by long windows of the choice, and its time relative
 to the choice is the median of its ratios to the mean of its brackets. Selection: a rival
 gets another window while that median is within two standard errors of the 5% line, and at
 least two when it beats the choice by more than 5% (a winner may have been lucky once), up
@@ -69,9 +69,12 @@ FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage"
 # A candidate slower than this many times the best so far is stopped, or not started when
 # its bytes alone would take that long on the link; a lower bound is kept either way.
 GIVE_UP_FACTOR = 1.6
-# Candidates screened within this factor of the best are rivals of the choice, compared with it
-# in long windows.
+# Candidates screened within this factor of the best, at most RIVALS of them (the fastest), are
+# rivals of the choice, compared with it in long windows. Where a model has many splits of one
+# pace (vgg19's convolutions and their ReLUs), more rivals add no information, only more draws
+# for the winner's curse and minutes of windows.
 RETIME_WITHIN = 1.2
+RIVALS = 4
 # The choice is "within 5% of the best" when no rival trained faster than 1 / WITHIN of its time.
 WITHIN = 1.05
 # A rival gets another bracketed window while its median ratio is within two standard errors
@@ -148,8 +151,8 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     by_label = {c.label: (row, c) for row, c in zip(rows, order)}
     mine = by_label[chosen.label]
     best_ms = min(row["measured_ms"] for row in rows if row["timed_iterations"])
-    rivals = [(row, c) for row, c in zip(rows, order) if row["timed_iterations"] and c != chosen
-              and row["measured_ms"] <= RETIME_WITHIN * best_ms]
+    rivals = sorted(((row, c) for row, c in zip(rows, order) if row["timed_iterations"] and c != chosen
+                     and row["measured_ms"] <= RETIME_WITHIN * best_ms), key=lambda rc: rc[0]["measured_ms"])[:RIVALS]
     iterations = {row["candidate"]: max(args.long_iterations, math.ceil(args.window_s * 1e3 / row["measured_ms"]))
                   for row, _ in (*rivals, mine)}  # a long window lasts at least args.window_s
 
@@ -284,7 +287,7 @@ def main() -> int:
     p.add_argument("--image-size", type=int, default=96)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
-    p.add_argument("--long-iterations", type=int, default=10,
+    p.add_argument("--long-iterations", type=int, default=6,
                    help="timed iterations at least of a long window (the choice's and its rivals')")
     p.add_argument("--window-s", type=float, default=4.0, help="seconds at least of a long window")
     p.add_argument("--max-rounds", type=int, default=2, help="bracketed long windows at most per rival (selection)")
@@ -302,7 +305,7 @@ def main() -> int:
         args.models = args.models if args.models != defaults.models else "resnet18,alexnet"
         args.bandwidths = args.bandwidths if args.bandwidths != defaults.bandwidths else "10,50"
         args.iterations = args.iterations if args.iterations != defaults.iterations else 3
-        args.long_iterations = args.long_iterations if args.long_iterations != defaults.long_iterations else 6
+        args.long_iterations = args.long_iterations if args.long_iterations != defaults.long_iterations else 4
         args.window_s, args.trial_s, args.max_rounds, args.confirm = 1.0, 0.5, 2, 2
         args.image_size = 64
     args.warmup = args.depth if args.warmup is None else args.warmup
