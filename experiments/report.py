@@ -157,13 +157,13 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         f"within {RETIME_WITHIN - 1:.0%} of the best ({RIVALS} fastest at most: the choice's rivals) were timed "
         f"in long windows of {long} iterations or more, each bracketed by long windows of the choice, and a "
         "rival's time relative to the choice is the median of its ratios to the mean of its brackets; a rival "
-        "got more windows while that median was within two standard errors of the 5% line (selection). The lowest of several noisy "
-        "medians is biased low (the winner's curse), so the rival that looked fastest, when by selection it made "
-        "the choice a miss, was timed in fresh bracketed windows, and their median alone is the verdict "
-        "(confirmation); a choice selection found within 5% stands, since the bias runs against it. By the "
-        f"selection windows alone, the choice was within 5% of the best in {within_by_selection}/{len(per_case)} "
-        "cases. A candidate's ms/iter is the median of its own long windows (its screening window when it had "
-        "none); every window and ratio is in the CSV.",
+        "got more windows while that median was within two standard errors of the 5% line (selection). The "
+        "lowest of several noisy medians is biased low (the winner's curse), so the rival that looked fastest, "
+        "when by selection it made the choice a miss, was timed in fresh bracketed windows, and their median "
+        "alone is the verdict (confirmation); a choice selection found within 5% stands, since the bias runs "
+        f"against it. By the selection windows alone, the choice was within 5% of the best in "
+        f"{within_by_selection}/{len(per_case)} cases. A candidate's ms/iter is the median of its own long windows "
+        "(its screening window when it had none); every window and ratio is in the CSV.",
         "",
         "![throughput](results/split_sweep/throughput.png)", "",
         "Training throughput against bandwidth, normalised by what all-in-compute would consume at full "
