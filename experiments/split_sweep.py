@@ -14,9 +14,10 @@ depth of requests in flight. The clock starts once the pipeline is full (a warm-
 many iterations as the depth) and stops while it still is; a window that drains the
 pipeline would be flattered by work fetched before the clock started.
 
-Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 96 px (ViT's patches stay
-16 px; 112 px took 80 min), batch 8, 4 warm-up + 4 timed iterations per candidate (+ 4 in flight when the clock
-stops), bandwidths 5-100 Mbit/s. A candidate 1.6x slower than the best so far is stopped there
+Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 64 px (ViT's patches stay
+16 px; at 112 px the sweep took 80 min, at 96 px it was on course for 110), batch 8, 4
+warm-up + 4 timed iterations per candidate (+ 4 in flight when the clock stops), bandwidths
+5-100 Mbit/s. A candidate 1.4x slower than the best so far is stopped there
 (never the choice: its verdict rests on long windows, not on a short screening one).
 
 The verdict. The machine's speed drifts by tens of percent within a minute, more than the 5%
@@ -68,7 +69,7 @@ FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage"
           "stopped_early", "chosen", "bottleneck", "tried")
 # A candidate slower than this many times the best so far is stopped, or not started when
 # its bytes alone would take that long on the link; a lower bound is kept either way.
-GIVE_UP_FACTOR = 1.6
+GIVE_UP_FACTOR = 1.4
 # Candidates screened within this factor of the best, at most RIVALS of them (the fastest), are
 # rivals of the choice, compared with it in long windows. Where a model has many splits of one
 # pace (vgg19's convolutions and their ReLUs), more rivals add no information, only more draws
@@ -284,7 +285,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(PAPER_MODELS))
     p.add_argument("--bandwidths", default="5,25,100", help="Mbit/s of the shaped link")
-    p.add_argument("--image-size", type=int, default=96)
+    p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
     p.add_argument("--long-iterations", type=int, default=6,
