@@ -18,8 +18,9 @@ Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's pat
 16 px), batch 8, 4 warm-up + 4 timed iterations per candidate (+ 4 in flight when the clock
 stops), bandwidths 5-100 Mbit/s. Smaller inputs do not shorten it: at 96 and 64 px the first
 cases ran no faster, since the planner's trials (3 s each) and the 4 s long windows are timed
-by the clock, and more candidates tie, so more of them are tried and compared. A candidate 1.4x slower than the best so far is stopped there
-(never the choice: its verdict rests on long windows, not on a short screening one).
+by the clock, and more candidates tie, so more of them are tried and compared. A candidate
+1.4x slower than the best so far is stopped there (never the choice: its verdict rests on
+long windows, not on a short screening one).
 
 The verdict. The machine's speed drifts by tens of percent within a minute, more than the 5%
 at stake, so absolute times taken a minute apart cannot decide it. The candidates screened
