@@ -25,8 +25,8 @@ long windows, not on a short screening one).
 The verdict. The machine's speed drifts by tens of percent within a minute, more than the 5%
 at stake, so absolute times taken a minute apart cannot decide it. The candidates screened
 within 20% of the best (the 4 fastest at most) are the choice's rivals: each is timed in long
-windows (6 iterations and 4 s at least), every one bracketed by long windows of the choice, and its time relative
-to the choice is the median of its ratios to the mean of its brackets. Selection: a rival
+windows (6 iterations and 4 s at least), every one bracketed by long windows of the choice,
+and its time relative to the choice is the median of its ratios to the mean of its brackets. Selection: a rival
 gets another window while that median is within two standard errors of the 5% line, and at
 least two when it beats the choice by more than 5% (a winner may have been lucky once), up
 to 2. Confirmation: the lowest of several noisy medians is biased low (the winner's curse),
