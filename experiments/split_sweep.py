@@ -16,9 +16,9 @@ pipeline would be flattered by work fetched before the clock started.
 
 Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's patches stay
 16 px), batch 8, 4 warm-up + 4 timed iterations per candidate (+ 4 in flight when the clock
-stops), bandwidths 5-100 Mbit/s. Smaller inputs do not shorten it: at 96 and 64 px the first
-cases ran no faster, since the planner's trials (3 s each) and the 4 s long windows are timed
-by the clock, and more candidates tie, so more of them are tried and compared. A candidate
+stops), bandwidths 5-100 Mbit/s. Smaller inputs do not shorten it much: at 64 px the first
+four cases took 21 min, at 96 px the first five 20, since the planner's trials (3 s each) and
+the 4 s long windows are timed by the clock, and more candidates tie, so more are tried. A candidate
 1.4x slower than the best so far is stopped there (never the choice: its verdict rests on
 long windows, not on a short screening one).
 
