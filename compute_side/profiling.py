@@ -158,30 +158,33 @@ def node_anchor(client: StorageClient, template: ExtractRequest, samples: Sequen
     return split, paced_ms
 
 
-def train_pace_ms(loader: PipelinedLoader, train_step: Callable[[Batch], object], batches: Sequence[Sequence[Sample]],
-                  warmup: int, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
-    """(milliseconds per iteration of ``loader`` feeding ``train_step`` in steady state;
-    stopped early).
+def train_paces_ms(loader: PipelinedLoader, train_step: Callable[[Batch], object],
+                   batches: Sequence[Sequence[Sample]], warmup: int, timed: int, windows: int = 1,
+                   give_up_ms: float = float("inf")) -> tuple[list[float], bool]:
+    """(milliseconds per iteration of ``loader`` feeding ``train_step`` in steady state, one
+    per window; stopped early).
 
-    The clock runs from the end of iteration ``warmup`` to the end of iteration ``warmup +
-    timed``; ``batches`` should hold the loader's depth more, so that the window ends with
-    the pipeline still full (a drained pipeline would have fetched part of the window's work
-    before the clock started, and flatter it). A run that has spent ``give_up_ms`` per
-    iteration stops there, and its time so far is kept as a lower bound.
+    ``windows`` clocks of ``timed`` iterations run back to back from the end of iteration
+    ``warmup``; ``batches`` should hold the loader's depth more, so that the last window ends
+    with the pipeline still full (a drained pipeline would have fetched part of the window's
+    work before the clock started, and flatter it). A run that has spent ``give_up_ms`` per
+    iteration stops there, and its time so far is kept, for every window, as a lower bound.
     """
     first = time.perf_counter()
-    started = first
+    marks = [first] if warmup == 0 else []  # the clock's start, then each window's end
+    iterations = warmup + windows * timed
     with closing(loader.epoch(batches, epoch=0)) as stream:  # closing waits for the requests in flight
         for i, batch in enumerate(stream):
             train_step(batch)
             now = time.perf_counter()
-            if i == warmup - 1:  # the clock covers waiting for and training each timed batch
-                started = now
-            if now - first > give_up_ms / 1e3 * (warmup + timed):
-                return (now - first) * 1e3 / (i + 1), True
-            if i == warmup + timed - 1:
-                return (now - started) * 1e3 / timed, False
-    raise ValueError(f"{len(batches)} batches cannot cover {warmup} warm-up and {timed} timed iterations")
+            # The clock covers waiting for and training each batch.
+            if i + 1 >= warmup and (i + 1 - warmup) % timed == 0:
+                marks.append(now)
+            if now - first > give_up_ms / 1e3 * iterations:
+                return [(now - first) * 1e3 / (i + 1)] * windows, True
+            if i + 1 == iterations:
+                return [(end - start) * 1e3 / timed for start, end in zip(marks, marks[1:])], False
+    raise ValueError(f"{len(batches)} batches cannot cover {warmup} warm-up and {windows} x {timed} timed iterations")
 
 
 def _in_flight(batch_size: int, request_size: int, depth: int) -> int:
@@ -195,9 +198,15 @@ def window_ms(source: Source, train_step: Callable[[Batch], object], samples: Se
     """(ms per iteration, stopped early) of training from ``source`` through ``depth``
     requests in flight: ``timed`` iterations after ``warmup``, with as many batches again in
     flight when the clock stops, ``samples`` cycled as often as that needs."""
-    read = warmup + timed + _in_flight(batch_size, request_size, depth)
-    batches = batches_of(list(itertools.islice(itertools.cycle(samples), read * batch_size)), batch_size)
-    return train_pace_ms(PipelinedLoader(source, request_size, depth), train_step, batches, warmup, timed, give_up_ms)
+    batches = _cycled(samples, batch_size, warmup + timed + _in_flight(batch_size, request_size, depth))
+    paces, stopped = train_paces_ms(PipelinedLoader(source, request_size, depth), train_step, batches, warmup, timed,
+                                    give_up_ms=give_up_ms)
+    return paces[0], stopped
+
+
+def _cycled(samples: Sequence[Sample], batch_size: int, count: int) -> list[list[Sample]]:
+    """``count`` batches of ``samples``, cycled as often as that needs."""
+    return batches_of(list(itertools.islice(itertools.cycle(samples), count * batch_size)), batch_size)
 
 
 def trial_iterations(pace_ms: float, batch_size: int, seconds: float = TRIAL_SECONDS) -> int:
@@ -215,28 +224,33 @@ def contenders_within(run_samples: int, batch_size: int, request_size: int, dept
     return int(TRIAL_SHARE * run_samples) // (trial_samples * TRIAL_READINGS)
 
 
-def trial_ms(source: Source, train_step: Callable[[Batch], object], samples: Sequence[Sample], batch_size: int,
-             request_size: int, depth: int, predicted_ms: float, seconds: float = TRIAL_SECONDS) -> float:
-    """Per sample, the pace of a short training run from ``source``: ``trial_iterations``
-    timed once the pipeline is full (sized by ``predicted_ms`` a sample to last ``seconds``),
-    as many in flight when the clock stops; stopped at ``TRIAL_OVERRUN`` times the prediction."""
+def trial_paces_ms(source: Source, train_step: Callable[[Batch], object], samples: Sequence[Sample],
+                   batch_size: int, request_size: int, depth: int, predicted_ms: float,
+                   seconds: float = TRIAL_SECONDS, readings: int = 1) -> list[float]:
+    """Per sample, the paces of a short training run from ``source``: ``readings`` windows
+    of ``trial_iterations`` back to back (one pipeline: readings of one candidate taken in a
+    row pay its fill and drain once), timed once the pipeline is full (sized by
+    ``predicted_ms`` a sample to last ``seconds`` each), as many in flight when the clock
+    stops; stopped at ``TRIAL_OVERRUN`` times the prediction."""
     fill = _in_flight(batch_size, request_size, depth)
     timed = trial_iterations(predicted_ms, batch_size, seconds)
-    ms, _ = window_ms(source, train_step, samples, batch_size, request_size, depth, fill, timed,
-                      give_up_ms=TRIAL_OVERRUN * predicted_ms * batch_size)
-    return ms / batch_size
+    paces, _ = train_paces_ms(PipelinedLoader(source, request_size, depth), train_step,
+                              _cycled(samples, batch_size, 2 * fill + readings * timed), fill, timed, readings,
+                              give_up_ms=TRIAL_OVERRUN * predicted_ms * batch_size)
+    return [ms / batch_size for ms in paces]
 
 
 def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Candidate]],
-                    try_candidate: Callable[[Candidate], float], max_contenders: int = TRIAL_SETS) -> Profile:
-    """The profile with trial runs at the planner's contenders (``try_candidate``: ms per
-    sample): where the model's ranking is close, a run of each decides. A contender tried
-    slower can leave a new one in front; it is tried in another round, while the budget
-    lasts. When the two fastest tried are within ``PLAYOFF_WITHIN`` of each other, they are
-    read again side by side, ``PLAYOFF_READINGS`` times each, and these readings replace
-    theirs (a playoff). At most ``max_contenders`` sets of ``TRIAL_READINGS`` readings are
-    taken, each in full; the playoff's sets are kept for it when the budget also has room
-    for a full round."""
+                    try_candidate: Callable[[Candidate, int], list[float]],
+                    max_contenders: int = TRIAL_SETS) -> Profile:
+    """The profile with trial runs at the planner's contenders (``try_candidate(c, n)``: ms
+    per sample of ``n`` readings of ``c`` taken back to back): where the model's ranking is
+    close, a run of each decides. A contender tried slower can leave a new one in front; it
+    is tried in another round, while the budget lasts. When the two fastest tried are within
+    ``PLAYOFF_WITHIN`` of each other, they are read again side by side, ``PLAYOFF_READINGS``
+    times each, and these readings replace theirs (a playoff). At most ``max_contenders``
+    sets of ``TRIAL_READINGS`` readings are taken, each in full; the playoff's sets are kept
+    for it when the budget also has room for a full round."""
     playoff_sets = 2 * PLAYOFF_READINGS // TRIAL_READINGS
     rounds_budget = max_contenders - playoff_sets if max_contenders >= TRIALS + playoff_sets else max_contenders
     while picked := contenders(options_for(profile))[:max(0, rounds_budget - _tried(profile))]:
@@ -256,14 +270,14 @@ def _tried(profile: Profile) -> int:
     return len({(split, dtype) for split, dtype, _ in profile.trial_paces})
 
 
-def _read_in_turn(profile: Profile, picked: Sequence[Candidate], try_candidate: Callable[[Candidate], float],
-                  readings: int) -> Profile:
+def _read_in_turn(profile: Profile, picked: Sequence[Candidate],
+                  try_candidate: Callable[[Candidate, int], list[float]], readings: int) -> Profile:
     """``readings`` trials of each of ``picked``, taken in turn and in alternating order
-    (A B B A ...), added to the profile."""
+    (A B B A ...), added to the profile; a candidate's readings in a row are taken in one go."""
+    order = [c for i in range(readings) for c in (picked if i % 2 == 0 else picked[::-1])]
     paces = []
-    for i in range(readings):
-        for c in picked if i % 2 == 0 else picked[::-1]:
-            pace = try_candidate(c)
+    for c, run in itertools.groupby(order):
+        for pace in try_candidate(c, len(list(run))):
             log.info("trial of %s: %.1f ms a sample (predicted %.1f: storage %.1f, network %.1f, compute %.1f)",
                      c.label, pace, max(c.storage_ms, c.transfer_ms, c.compute_ms), c.storage_ms,
                      c.transfer_ms, c.compute_ms)

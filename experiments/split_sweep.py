@@ -15,12 +15,15 @@ many iterations as the depth) and stops while it still is; a window that drains 
 pipeline would be flattered by work fetched before the clock started.
 
 Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's patches stay
-16 px), batch 8, 4 warm-up + 4 timed iterations per candidate (+ 4 in flight when the clock
-stops), bandwidths 5-100 Mbit/s. Smaller inputs do not shorten it much: at 64 px the first
-four cases took 21 min, at 96 px the first five 20, since the planner's trials (3 s each) and
-the 4 s long windows are timed by the clock, and more candidates tie, so more are tried. A candidate
-1.4x slower than the best so far is stopped there (never the choice: its verdict rests on
-long windows, not on a short screening one).
+16 px), VGG-19 at 64 (at 112 px its 40-odd candidates took 15 min a case), batch 4, 4 warm-up
++ 4 timed iterations per candidate (+ 4 in flight when the clock stops), bandwidths 5-100
+Mbit/s. The planner's trials (3 s each) and the long windows (4 s) are timed by the clock;
+what a smaller batch shortens is everything counted in iterations: the screening windows and
+every pipeline's fill and drain (at batch 8, nine cases timed put the sweep at 90-110 min). Smaller inputs for
+every model do not shorten it: at 64 px more candidates tie, so more are tried and compared
+(the first four cases took 21 min at 64 px, 20 min the first five at 96). A candidate 1.4x
+slower than the best so far is stopped there (never the choice: its verdict rests on long
+windows, not on a short screening one).
 
 The verdict. The machine's speed drifts by tens of percent within a minute, more than the 5%
 at stake, so absolute times taken a minute apart cannot decide it. The candidates screened
@@ -53,7 +56,7 @@ import torch
 
 from compute_side.client import StorageClient
 from compute_side.loader import Batch, Source
-from compute_side.profiling import measure_profile, time_contenders, trial_ms, window_ms
+from compute_side.profiling import measure_profile, time_contenders, trial_paces_ms, window_ms
 from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
 from hapi.models import build_model
@@ -66,9 +69,9 @@ from hapi.wire import ExtractRequest
 
 RESULTS = Path(__file__).parent / "results" / "split_sweep"
 PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
-FIELDS = ("bandwidth_mbit", "model", "batch_size", "candidate", "split", "stage", "bytes_per_sample", "predicted_ms",
-          "measured_ms", "timed_iterations", "long_windows_ms", "vs_choice", "ratios_to_choice", "confirm_ratios",
-          "stopped_early", "chosen", "bottleneck", "tried")
+FIELDS = ("bandwidth_mbit", "model", "image_size", "batch_size", "candidate", "split", "stage", "bytes_per_sample",
+          "predicted_ms", "measured_ms", "timed_iterations", "long_windows_ms", "vs_choice", "ratios_to_choice",
+          "confirm_ratios", "stopped_early", "chosen", "bottleneck", "tried")
 # A candidate slower than this many times the best so far is stopped, or not started when
 # its bytes alone would take that long on the link; a lower bound is kept either way.
 GIVE_UP_FACTOR = 1.4
@@ -84,6 +87,10 @@ WITHIN = 1.05
 # of that line (at most --max-rounds); the spread of a bracketed ratio is taken as at least
 # this (log units; measured on alexnet's 4 s windows: 0.03), so one lucky window cannot end it.
 WINDOW_NOISE = 0.04
+# Input sizes: 112 px, and 64 for VGG-19, whose 40-odd candidates at 112 px took 15 min a case
+# (a batch's convolutions take about a second on one core, and each of its candidates is timed).
+IMAGE_SIZE = 112
+IMAGE_SIZES = {"vgg19": 64}
 # The planner is asked about a long epoch, where fill and drain vanish: the sweep times the
 # steady state.
 STEADY_STATE_SAMPLES = 100_000
@@ -91,10 +98,11 @@ STEADY_STATE_SAMPLES = 100_000
 
 def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list, args: argparse.Namespace,
                 bandwidth: float, profiles_dir: Path) -> list[dict]:
-    model = build_model(name, input_size=args.image_size)
+    image_size = args.image_size or IMAGE_SIZES.get(name, IMAGE_SIZE)
+    model = build_model(name, input_size=image_size)
     model.replace_head(10)
     trainer = HeadTrainer(model, TrainConfig())
-    transform = TransformSpec(crop_size=args.image_size, resize_size=round(args.image_size * 256 / 224))
+    transform = TransformSpec(crop_size=image_size, resize_size=round(image_size * 256 / 224))
     template = ExtractRequest(keys=(), model=name, split=0, transform=transform, job_id="sweep")
     profile = measure_profile(model, client, store, template, samples, args.batch_size, profiles_dir, args.depth)
 
@@ -107,9 +115,11 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
     def step(batch: Batch) -> None:
         trainer.train_step(batch.features, batch.labels, batch.split)
 
-    profile = time_contenders(profile, options_for, lambda c: trial_ms(source_for(c), step, samples, args.batch_size,
-                                                                       args.batch_size, args.depth, c.steady_ms,
-                                                                       args.trial_s))
+    def try_candidate(c: Candidate, readings: int) -> list[float]:
+        return trial_paces_ms(source_for(c), step, samples, args.batch_size, args.batch_size, args.depth, c.steady_ms,
+                              args.trial_s, readings)
+
+    profile = time_contenders(profile, options_for, try_candidate)
     options = options_for(profile)
     chosen = choose(options)
     logging.info("%s %s Mbit/s: node anchor %s, compute-tier reads %.2f ms/sample (%.2f of client CPU)\n%s", name,
@@ -136,8 +146,8 @@ def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list,
         if not stopped:
             best_ms = min(best_ms, measured)
         stage = "-" if c.split <= 0 else model.stage_names[c.split - 1]
-        rows.append({"bandwidth_mbit": bandwidth, "model": name, "batch_size": args.batch_size,
-                     "candidate": c.label, "split": c.split, "stage": stage,
+        rows.append({"bandwidth_mbit": bandwidth, "model": name, "image_size": image_size,
+                     "batch_size": args.batch_size, "candidate": c.label, "split": c.split, "stage": stage,
                      "bytes_per_sample": round(c.bytes_per_sample),
                      "predicted_ms": round(c.epoch_s * 1e3 / STEADY_STATE_SAMPLES * args.batch_size, 1),
                      "measured_ms": round(measured, 1), "timed_iterations": 0 if stopped else args.iterations,
@@ -287,8 +297,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(PAPER_MODELS))
     p.add_argument("--bandwidths", default="5,25,100", help="Mbit/s of the shaped link")
-    p.add_argument("--image-size", type=int, default=112)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--image-size", type=int, help=f"px, of every model (default: {IMAGE_SIZE}, {IMAGE_SIZES})")
+    p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
     p.add_argument("--long-iterations", type=int, default=6,
                    help="timed iterations at least of a long window (the choice's and its rivals')")

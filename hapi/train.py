@@ -27,7 +27,7 @@ from tqdm import tqdm
 from compute_side import deployment
 from compute_side.client import StorageClient, StorageNodeError
 from compute_side.loader import PipelinedLoader, Source, batches_of, epoch_order
-from compute_side.profiling import contenders_within, measure_profile, time_contenders, trial_ms
+from compute_side.profiling import contenders_within, measure_profile, time_contenders, trial_paces_ms
 from compute_side.replan import Replanner
 from compute_side.sources import PushdownSource, RawObjectSource
 from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
@@ -199,10 +199,11 @@ def plan(args: argparse.Namespace, model: StagedModel, clients: list[StorageClie
     else:
         trial_trainer = copy.deepcopy(trainer)  # trials train a copy: they never change what the run learns
 
-        def try_candidate(c: Candidate) -> float:
-            return trial_ms(sources.build(c.split, c.dtype)[0],
-                            lambda batch: trial_trainer.train_step(batch.features, batch.labels, batch.split),
-                            samples, args.batch_size, args.request_size, args.depth, c.steady_ms)
+        def try_candidate(c: Candidate, readings: int) -> list[float]:
+            return trial_paces_ms(sources.build(c.split, c.dtype)[0],
+                                  lambda batch: trial_trainer.train_step(batch.features, batch.labels, batch.split),
+                                  samples, args.batch_size, args.request_size, args.depth, c.steady_ms,
+                                  readings=readings)
 
         profile = time_contenders(profile, options_for, try_candidate, affordable)
     options = options_for(profile)

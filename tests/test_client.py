@@ -26,7 +26,7 @@ from compute_side.profiling import (
     node_anchor,
     steady_pace_ms,
     time_contenders,
-    trial_ms,
+    trial_paces_ms,
 )
 from compute_side.trainer import HeadTrainer, TrainConfig
 from hapi.datasets import Manifest, make_synthetic
@@ -282,26 +282,30 @@ def test_the_planner_s_contenders_are_tried_in_training_runs(client: StorageClie
     def step(batch: Batch) -> None:
         steps.append(trainer.train_step(batch.features, batch.labels, batch.split))
 
-    trials = []
+    trials = []  # (candidate, readings in a row)
 
-    def try_candidate(c: Candidate) -> float:
-        trials.append(c)
-        return trial_ms(sources.build(c.split, c.dtype)[0], step, samples, 4, 2, 2, c.steady_ms, seconds=0)
+    def try_candidate(c: Candidate, readings: int) -> list[float]:
+        trials.append((c, readings))
+        return trial_paces_ms(sources.build(c.split, c.dtype)[0], step, samples, 4, 2, 2, c.steady_ms, seconds=0,
+                              readings=readings)
 
     first = contenders(options_for(profile))
     assert first  # on loopback no candidate is link-paced, and several are within reach of the best
     tried = time_contenders(profile, options_for, try_candidate)
     # Every first-round contender got its readings; no more were taken than the policy allows.
     assert all(sum((s, d) == (c.split, c.dtype) for s, d, _ in tried.trial_paces) == TRIAL_READINGS for c in first)
-    assert len(trials) <= TRIAL_SETS * TRIAL_READINGS
-    # Each trial trained its fill (2 requests in flight: one batch of 4) and the timed
-    # iterations, on the samples cycled; the batch in flight when the clock stopped is not trained.
-    assert len(steps) == len(trials) * (1 + TRIAL_ITERATIONS)
+    assert sum(n for _, n in trials) <= TRIAL_SETS * TRIAL_READINGS
+    assert any(n > 1 for _, n in trials)  # A B B A: B's two readings were taken in one run
+    # Each run trained its fill (2 requests in flight: one batch of 4) once and the timed
+    # iterations of each reading, on the samples cycled; the batch in flight when the clock
+    # stopped is not trained.
+    assert len(steps) == sum(1 + n * TRIAL_ITERATIONS for _, n in trials)
     # What a trial measured is the pace the planner now charges that candidate.
     assert all(evaluate(tried, s, d, 4, 1000).trial_ms == tried.trial_pace(s, d) > 0 for s, d, _ in tried.trial_paces)
     # A trial sized by a prediction far too fast is stopped, not stretched: here after its first batch.
     steps.clear()
-    assert trial_ms(sources.build(first[0].split, first[0].dtype)[0], step, samples, 4, 2, 2, 1e-6, seconds=0) > 0
+    assert trial_paces_ms(sources.build(first[0].split, first[0].dtype)[0], step, samples, 4, 2, 2, 1e-6,
+                          seconds=0)[0] > 0
     assert len(steps) == 1
     # A budget of one contender tries the first one only, in full.
     once = time_contenders(profile, options_for, try_candidate, max_contenders=1)

@@ -1,5 +1,6 @@
 """The cost model on synthetic profiles whose best split is known by construction."""
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -34,6 +35,16 @@ def profile(bandwidth: float, storage_ms: float = 1.0, compute_ms: float = 1.0, 
     storage = tier(storage_ms, decode_ms if storage_decode_ms is None else storage_decode_ms, 0.0)
     return Profile("toy", 64, tuple(f"s{i}" for i in range(6)), 4, OUTPUTS,
                    storage, tier(compute_ms, decode_ms, train_ms), raw_bytes, bandwidth)
+
+
+def in_a_row(read: Callable[[Candidate], float], runs: list | None = None) -> Callable[[Candidate, int], list[float]]:
+    """A trial runner from a one-reading ``read``; each run of readings taken in one go is
+    noted in ``runs`` as (split, readings)."""
+    def try_candidate(c: Candidate, readings: int) -> list[float]:
+        if runs is not None:
+            runs.append((c.split, readings))
+        return [read(c) for _ in range(readings)]
+    return try_candidate
 
 
 def test_a_slow_network_cuts_at_the_smallest_output_even_if_not_the_last() -> None:
@@ -115,11 +126,13 @@ def test_a_trial_run_at_a_contender_outweighs_the_model() -> None:
 def test_a_close_finish_read_minutes_apart_is_decided_by_a_playoff_side_by_side() -> None:
     p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
     true_ms = {3: 110.0, 2: 120.0, 4: 114.0}  # split 3 is the best, split 4 a close second
-    calls = []
+    calls, runs = [], []
 
-    def try_candidate(c: Candidate) -> float:  # the machine runs 8% faster after the first round
+    def read(c: Candidate) -> float:  # the machine runs 8% faster after the first round
         calls.append(c.split)
         return true_ms[c.split] * (1.0 if len(calls) <= 2 * TRIAL_READINGS else 0.92)
+
+    try_candidate = in_a_row(read, runs)
 
     def options_for(q: Profile) -> list[Candidate]:
         return candidates(q, 32, 1000)
@@ -129,6 +142,7 @@ def test_a_close_finish_read_minutes_apart_is_decided_by_a_playoff_side_by_side(
     # room for a playoff.
     unfair = time_contenders(p, options_for, try_candidate, max_contenders=3)
     assert choose(options_for(unfair)).split == 4 and calls == [3, 2, 2, 3, 4, 4]  # each round in turn, A B B A
+    assert runs == [(3, 1), (2, 2), (3, 1), (4, 2)]  # readings of one candidate in a row share a pipeline
     calls.clear()
     fair = time_contenders(p, options_for, try_candidate)
     assert calls[-2 * PLAYOFF_READINGS:] == [4, 3, 3, 4] * (PLAYOFF_READINGS // 2)  # the playoff, in turn
@@ -143,12 +157,12 @@ def test_one_slow_reading_in_a_playoff_does_not_decide_it() -> None:
     true_ms = {3: 110.0, 2: 120.0, 4: 114.0}
     calls = []
 
-    def try_candidate(c: Candidate) -> float:  # the playoff's first reading of split 3 falls in a slow spell
+    def read(c: Candidate) -> float:  # the playoff's first reading of split 3 falls in a slow spell
         calls.append(c.split)
         slow = len(calls) == 7  # the playoff's first reading: split 3, the faster so far
         return true_ms[c.split] * (1.3 if slow else 1.0)
 
-    fair = time_contenders(p, options_for=lambda q: candidates(q, 32, 1000), try_candidate=try_candidate)
+    fair = time_contenders(p, options_for=lambda q: candidates(q, 32, 1000), try_candidate=in_a_row(read))
     # Rounds [3, 2, 2, 3] and [4, 4], then the playoff of 3 and 4. Split 3 reads 143, 110, 110, 110
     # there: by the median, 110 against 114. Two readings each would have made it 126.5.
     assert calls[6:] == [3, 4, 4, 3] * (PLAYOFF_READINGS // 2)
@@ -160,14 +174,14 @@ def test_trial_rounds_go_on_while_contenders_are_left_and_the_choice_is_a_tried_
     p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
     calls = []
 
-    def try_candidate(c: Candidate) -> float:  # the model's max flatters every candidate alike
+    def read(c: Candidate) -> float:  # the model's max flatters every candidate alike
         calls.append(c.split)
         return 1.3 * max(c.storage_ms, c.transfer_ms, c.compute_ms)
 
     def options_for(q: Profile) -> list[Candidate]:
         return candidates(q, 32, 1000)
 
-    tried = time_contenders(p, options_for, try_candidate)
+    tried = time_contenders(p, options_for, in_a_row(read))
     # Split 3 read 130 ms, not the model's 100, and split 2 156, not 120: the trials hid 62% and 24%
     # of their other stages, and the untried are charged the median loss (43%). Split 4 (130 + 0.43
     # x 36.5 = 145.7 ms) came within 25% of 130 and a second round tried it; split 0 (186 ms) did
