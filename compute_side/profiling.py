@@ -248,7 +248,8 @@ def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Cand
     close, a run of each decides. A contender tried slower can leave a new one in front; it
     is tried in another round, while the budget lasts. When the two fastest tried are within
     ``PLAYOFF_WITHIN`` of each other, they are read again side by side, ``PLAYOFF_READINGS``
-    times each, and these readings replace theirs (a playoff). At most ``max_contenders``
+    times each, and these readings replace theirs (a playoff; the others' are scaled by the
+    drift it found on the finalists). At most ``max_contenders``
     sets of ``TRIAL_READINGS`` readings are taken, each in full; the playoff's sets are kept
     for it when the budget also has room for a full round."""
     playoff_sets = 2 * PLAYOFF_READINGS // TRIAL_READINGS
@@ -259,10 +260,17 @@ def time_contenders(profile: Profile, options_for: Callable[[Profile], list[Cand
                        key=lambda c: c.trial_ms)[:2]
     if len(finalists) == 2 and finalists[1].trial_ms <= PLAYOFF_WITHIN * finalists[0].trial_ms \
             and _tried(profile) + playoff_sets <= max_contenders:
-        # Side by side, the machine's drift falls on both: these readings supersede theirs.
+        # Side by side, the machine's drift falls on both: these readings supersede theirs. The
+        # others were read in the rounds' spell, and are scaled by the drift the playoff found
+        # on the finalists: a slow spell in the playoff must not hand the choice to a third
+        # that the rounds put behind both.
         keys = {(c.split, c.dtype) for c in finalists}
         others = tuple(reading for reading in profile.trial_paces if reading[:2] not in keys)
-        profile = _read_in_turn(replace(profile, trial_paces=others), finalists, try_candidate, PLAYOFF_READINGS)
+        played = _read_in_turn(replace(profile, trial_paces=()), finalists, try_candidate, PLAYOFF_READINGS)
+        drift = statistics.mean(played.trial_pace(c.split, c.dtype) / c.trial_ms for c in finalists)
+        log.info("playoff: the finalists read %.2fx their rounds' pace; the other readings are scaled alike", drift)
+        profile = replace(profile, trial_paces=tuple((split, dtype, pace * drift) for split, dtype, pace in others)
+                          + played.trial_paces)
     return profile
 
 

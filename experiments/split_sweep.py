@@ -18,12 +18,12 @@ Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's pat
 16 px), VGG-19 at 64 (at 112 px its 40-odd candidates took 15 min a case), batch 4, 4 warm-up
 + 4 timed iterations per candidate (+ 4 in flight when the clock stops), bandwidths 5-100
 Mbit/s. The planner's trials (3 s each) and the long windows (4 s) are timed by the clock;
-what a smaller batch shortens is everything counted in iterations: the screening windows and
-every pipeline's fill and drain (at batch 8, nine cases timed put the sweep at 90-110 min). Smaller inputs for
-every model do not shorten it: at 64 px more candidates tie, so more are tried and compared
-(the first four cases took 21 min at 64 px, 20 min the first five at 96). A candidate 1.4x
-slower than the best so far is stopped there (never the choice: its verdict rests on long
-windows, not on a short screening one).
+a smaller batch shortens everything counted in iterations: the screening windows and every
+pipeline's fill and drain (at batch 8, nine cases timed put the sweep at 90-110 min).
+Smaller inputs for every model do not shorten it: at 64 px more candidates tie, so more are
+tried and compared (the first four cases took 21 min at 64 px, 20 min the first five at 96).
+A candidate 1.4x slower than the best so far is stopped there (never the choice: its
+verdict rests on long windows, not on a short screening one).
 
 The verdict. The machine's speed drifts by tens of percent within a minute, more than the 5%
 at stake, so absolute times taken a minute apart cannot decide it. The candidates screened

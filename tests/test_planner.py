@@ -147,9 +147,28 @@ def test_a_close_finish_read_minutes_apart_is_decided_by_a_playoff_side_by_side(
     fair = time_contenders(p, options_for, try_candidate)
     assert calls[-2 * PLAYOFF_READINGS:] == [4, 3, 3, 4] * (PLAYOFF_READINGS // 2)  # the playoff, in turn
     assert choose(options_for(fair)).split == 3
-    # Its readings replace the finalists' earlier ones; the others' stay.
-    assert fair.trial_pace(3, "float32") == pytest.approx(101.2) and fair.trial_pace(2, "float32") == 120.0
+    # Its readings replace the finalists' earlier ones; the others' are scaled by the drift it found
+    # on them: split 3 read 0.92x its first round, split 4 1.0x its second, so split 2's 120 becomes 115.2.
+    assert fair.trial_pace(3, "float32") == pytest.approx(101.2)
+    assert fair.trial_pace(2, "float32") == pytest.approx(115.2)
     assert len(fair.trial_paces) == len(calls) - 2 * TRIAL_READINGS
+
+
+def test_a_playoff_in_a_slow_spell_does_not_hand_the_choice_to_a_third() -> None:
+    p = profile(bandwidth=1e6, storage_ms=30.0, compute_ms=40.0, decode_ms=10.0)
+    true_ms = {3: 110.0, 2: 116.0, 4: 114.0}  # split 2 third, 5% behind the best
+    calls = []
+
+    def read(c: Candidate) -> float:  # the machine runs 10% slower from the playoff on
+        calls.append(c.split)
+        return true_ms[c.split] * (1.1 if len(calls) > 3 * TRIAL_READINGS else 1.0)
+
+    fair = time_contenders(p, options_for=lambda q: candidates(q, 32, 1000), try_candidate=in_a_row(read))
+    # The rounds read 3, 2 and 4; the playoff, between 3 and 4, reads 121 and 125.4. Split 2's
+    # 116 from the rounds would now look the fastest; scaled by the playoff's drift, it is 127.6.
+    assert calls[:6] == [3, 2, 2, 3, 4, 4] and sorted(set(calls[6:])) == [3, 4]
+    assert fair.trial_pace(2, "float32") == pytest.approx(127.6)
+    assert choose(candidates(fair, 32, 1000)).split == 3
 
 
 def test_one_slow_reading_in_a_playoff_does_not_decide_it() -> None:
