@@ -103,6 +103,7 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         bottom = per_case[(model, min(speedups, key=speedups.get))]
         headline.append({
             "model": model,
+            "input": f"{full['baseline']['image_size']} px, batch {full['batch']}",
             "best speed-up (auto vs all-in-compute)": f"{_ratio(top['baseline'], top['chosen'])} at "
                                                       f"{max(speedups, key=speedups.get):g} Mbit/s",
             "worst": f"{_ratio(bottom['baseline'], bottom['chosen'])} at {min(speedups, key=speedups.get):g} Mbit/s",

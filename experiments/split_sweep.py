@@ -17,7 +17,7 @@ pipeline would be flattered by work fetched before the clock started.
 Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's patches stay
 16 px), VGG-19 at 64 (at 112 px its 40-odd candidates took 15 min a case), batch 4, 4 warm-up
 + 4 timed iterations per candidate (+ 4 in flight when the clock stops), bandwidths 5-100
-Mbit/s. The planner's trials (3 s each) and the long windows (4 s) are timed by the clock;
+Mbit/s. The planner's trials (3 s each) and the long windows (3.5 s) are timed by the clock;
 a smaller batch shortens everything counted in iterations: the screening windows and every
 pipeline's fill and drain (at batch 8, nine cases timed put the sweep at 90-110 min).
 Smaller inputs for every model do not shorten it: at 64 px more candidates tie, so more are
@@ -28,7 +28,7 @@ verdict rests on long windows, not on a short screening one).
 The verdict. The machine's speed drifts by tens of percent within a minute, more than the 5%
 at stake, so absolute times taken a minute apart cannot decide it. The candidates screened
 within 20% of the best (the 4 fastest at most) are the choice's rivals: each is timed in long
-windows (6 iterations and 4 s at least), every one bracketed by long windows of the choice,
+windows (6 iterations and 3.5 s at least), every one bracketed by long windows of the choice,
 and its time relative to the choice is the median of its ratios to the mean of its brackets. Selection: a rival
 gets another window while that median is within two standard errors of the 5% line, and at
 least two when it beats the choice by more than 5% (a winner may have been lucky once), up
@@ -302,7 +302,7 @@ def main() -> int:
     p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
     p.add_argument("--long-iterations", type=int, default=6,
                    help="timed iterations at least of a long window (the choice's and its rivals')")
-    p.add_argument("--window-s", type=float, default=4.0, help="seconds at least of a long window")
+    p.add_argument("--window-s", type=float, default=3.5, help="seconds at least of a long window")
     p.add_argument("--max-rounds", type=int, default=2, help="bracketed long windows at most per rival (selection)")
     p.add_argument("--confirm", type=int, default=4,
                    help="fresh bracketed long windows of the rival that looks fastest, which decide the verdict")

@@ -20,9 +20,15 @@ ranking is close, the model only shortlists: each contender is tried, a short tr
 run with its pipeline full, and the pace it measured (``trial_paces``) replaces the
 model's for it; the choice is then made among the tried (and link-paced) ones. The
 ``loss`` is the share of the other stages' time that the trials show was not hidden behind
-the bottleneck (0 before any trial): tiers that share CPUs, or a link whose transfers cost
-both ends CPU, overlap less than the max says, and a split with small stages beside its
-bottleneck loses less.
+the bottleneck: tiers that share CPUs, or a link whose transfers cost both ends CPU, overlap
+less than the max says, and a split with small stages beside its bottleneck loses less. It
+is measured per bottleneck tier, for the loss depends on which tier waits: a compute-bound
+pipeline pays its client's work on the training core, while the node's anchored pace
+already includes its own overlap (in sweep U, alexnet's compute-bound trials at 100 Mbit/s
+lost a third of their other stages; charged as much, the storage-bound split that trained in
+16% less time than the choice was never tried). A tier no trial has shown as the bottleneck
+keeps 0: the max, an optimistic bound, so that a candidate it flatters is tried rather than
+never looked at.
 """
 
 from __future__ import annotations
@@ -134,7 +140,7 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
              compute_memory_budget: float = float("inf"), request_size: int | None = None,
              overlap_loss: float = 0.0) -> Candidate:
     """Predicted cost of one candidate (requests of ``request_size`` samples, default the
-    batch; ``overlap_loss`` of the non-bottleneck stages not hidden, see ``overlap_loss``)."""
+    batch; ``overlap_loss`` of the non-bottleneck stages not hidden, see ``overlap_losses``)."""
     request_size = request_size or batch_size
     storage, compute = profile.storage, profile.compute
     frozen_here = sum(compute.forward_ms[max(split, 0): profile.freeze_index])
@@ -162,29 +168,29 @@ def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples:
                      epoch_ms / 1e3, memory <= compute_memory_budget, trial_ms)
 
 
-def overlap_loss(tried: list[Candidate]) -> float:
-    """The share of the non-bottleneck stages' time that the trials of ``tried`` did not hide
-    (their median, within [0, 1]): the model's max assumes the stages overlap perfectly."""
-    losses = []
+def overlap_losses(tried: list[Candidate]) -> dict[str, float]:
+    """Per bottleneck tier, the share of the non-bottleneck stages' time that the trials of
+    ``tried`` with that bottleneck did not hide (their median, within [0, 1]): the model's
+    max assumes the stages overlap perfectly. Tiers without a trial are absent (no loss)."""
+    losses: dict[str, list[float]] = {}
     for c in tried:
         stages = (c.storage_ms, c.transfer_ms, c.compute_ms)
         if c.trial_ms is not None and sum(stages) > max(stages):
-            losses.append((c.trial_ms - max(stages)) / (sum(stages) - max(stages)))
-    return min(max(statistics.median(losses), 0.0), 1.0) if losses else 0.0
+            losses.setdefault(c.bottleneck, []).append((c.trial_ms - max(stages)) / (sum(stages) - max(stages)))
+    return {tier: min(max(statistics.median(shares), 0.0), 1.0) for tier, shares in losses.items()}
 
 
 def candidates(profile: Profile, batch_size: int, samples: int, dtypes: tuple[str, ...] = ("float32",),
                compute_memory_budget: float = float("inf"), request_size: int | None = None) -> list[Candidate]:
     """Every split up to the freeze index in every allowed wire dtype, and all-in-compute;
-    those not tried are charged the overlap loss the tried ones measured."""
+    those not tried are charged the overlap loss the tried ones with their bottleneck measured."""
     keys = [(ALL_IN_COMPUTE, "float32")] + [(split, dtype) for split in range(profile.freeze_index + 1)
                                              for dtype in dtypes]
-
-    def priced(loss: float) -> list[Candidate]:
-        return [evaluate(profile, split, dtype, batch_size, samples, compute_memory_budget, request_size, loss)
+    unpriced = [evaluate(profile, split, dtype, batch_size, samples, compute_memory_budget, request_size)
                 for split, dtype in keys]
-
-    return priced(overlap_loss(priced(0.0)))
+    losses = overlap_losses(unpriced)
+    return [evaluate(profile, c.split, c.dtype, batch_size, samples, compute_memory_budget, request_size,
+                     losses.get(c.bottleneck, 0.0)) for c in unpriced]
 
 
 def contenders(options: list[Candidate]) -> list[Candidate]:

@@ -17,7 +17,7 @@ from hapi.planner import (
     contenders,
     evaluate,
     explain,
-    overlap_loss,
+    overlap_losses,
     summary,
 )
 from hapi.profile import Profile, TierTimes
@@ -106,15 +106,17 @@ def test_a_trial_run_at_a_contender_outweighs_the_model() -> None:
     split3 = evaluate(tried, 3, "float32", 32, 1000)
     assert split3.storage_ms == pytest.approx(100.0)  # the model's stages stay for the record
     assert split3.epoch_s == pytest.approx((1000 * 200.0 + 32 * (8.0 + 40.5)) / 1e3)  # the trial's pace sets the epoch
-    # The trials hid none of the other stages (split 3's read even slower than their sum): the
-    # untried are charged their stages' sum, split 4 166.5 ms, split 0 219.7.
+    # Node-bound split 3's trial hid none of its other stages (it read even slower than their
+    # sum), link-bound split 2's hid 80%: the untried are charged the loss of their bottleneck,
+    # node-bound split 4 its stages' sum, 166.5 ms. No trial was compute-bound: split 0 keeps
+    # the max, 160.5 ms, not 219.7 by the others' losses.
     options = candidates(tried, 32, 1000)
-    assert overlap_loss(options) == 1.0
-    assert [round(c.steady_ms, 1) for c in options if c.split in (4, 0)] == [219.7, 166.5]
+    assert overlap_losses(options) == pytest.approx({"storage": 1.0, "network": 30.0 / 150.5})
+    assert [round(c.steady_ms, 1) for c in options if c.split in (4, 0)] == [160.5, 166.5]
     assert choose(options).split == 2
     assert "200.00" in explain(tried, options, evaluate(tried, 2, "float32", 32, 1000))
-    # Splits 3 and 2 are not tried again; split 4 is within reach of 150 ms, and the next round tries it.
-    assert [c.split for c in contenders(options)] == [4]
+    # Splits 3 and 2 are not tried again; 0 and 4 are within reach of 150 ms, and the next round tries them.
+    assert [c.split for c in contenders(options)] == [0, 4]
     # A measured pace beats a predicted one: with split 3 alone tried, its 200 ms wins over split 4's
     # predicted 166.5, from stage times that read short for split 3.
     assert choose(candidates(replace(p, trial_paces=((3, "float32", 200.0),)), 32, 1000)).split == 3
@@ -201,11 +203,12 @@ def test_trial_rounds_go_on_while_contenders_are_left_and_the_choice_is_a_tried_
         return candidates(q, 32, 1000)
 
     tried = time_contenders(p, options_for, in_a_row(read))
-    # Split 3 read 130 ms, not the model's 100, and split 2 156, not 120: the trials hid 62% and 24%
-    # of their other stages, and the untried are charged the median loss (43%). Split 4 (130 + 0.43
-    # x 36.5 = 145.7 ms) came within 25% of 130 and a second round tried it; split 0 (186 ms) did
-    # not. The finalists, 130 and 156 ms, are too far apart for a playoff.
-    assert calls == [3, 2, 2, 3, 4, 4]
+    # Split 3 read 130 ms, not the model's 100, and split 2 156, not 120: node-bound split 3's
+    # trial hid 38% of its other stages, link-bound split 2's 76%. Node-bound split 4 is charged
+    # 62% (130 + 0.62 x 36.5 = 152.6 ms); compute-bound split 0 keeps its max, 160.5 ms, for no
+    # trial was compute-bound. Both came within 25% of 130 and a second round tried them. The
+    # finalists, 130 and 156 ms, are too far apart for a playoff.
+    assert calls == [3, 2, 2, 3, 4, 0, 0, 4]
     assert contenders(options_for(tried)) == []
     chosen = choose(options_for(tried))
     assert chosen.split == 3 and chosen.trial_ms == pytest.approx(130.0)
