@@ -232,8 +232,20 @@ def test_among_near_ties_the_pipeline_with_slack_wins() -> None:
 
 
 def test_at_most_a_few_contenders_are_timed() -> None:
-    p = profile(bandwidth=1e12, storage_ms=0.0, compute_ms=0.01, decode_ms=1.0)  # every split costs about the same
+    p = profile(bandwidth=1e12, storage_ms=0.05, compute_ms=0.01, decode_ms=1.0)  # every split within 25%
     assert len(contenders(candidates(p, 32, 1000))) == TRIALS
+
+
+def test_a_twin_of_a_tried_or_picked_candidate_is_not_tried() -> None:
+    def option(split: int, storage_ms: float, compute_ms: float, trial_ms: float | None = None) -> Candidate:
+        steady = trial_ms or max(storage_ms, compute_ms)
+        return Candidate(split, "float32", 1000, storage_ms, 1.0, compute_ms, 0, steady, steady, True, trial_ms)
+
+    # Split 2 is split 1's twin (a ReLU after it: its stages within 1%); splits 3 and 4 are not.
+    first, twin, third, fourth = option(1, 10.0, 9.0), option(2, 10.05, 9.0), option(3, 11.0, 5.0), option(4, 11.5, 4.0)
+    assert [c.split for c in contenders([first, twin, third, fourth])] == [1, 3]
+    tried = option(1, 10.0, 9.0, trial_ms=12.0)
+    assert [c.split for c in contenders([tried, twin, third, fourth])] == [3, 4]
 
 
 def test_epoch_time_is_the_pipelined_sum() -> None:
