@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from hapi import synthetic
-from hapi.store import MissingObjectError, ObjectStore, S3Store, open_store
+from hapi.store import MissingObjectError, ObjectStore, ObjectTooLargeError, S3Store, open_store
 from hapi.transforms import CorruptImageError
 
 log = logging.getLogger(__name__)
@@ -86,32 +86,42 @@ def load_manifest(store: ObjectStore) -> Manifest:
         ) from None
 
 
-def read_samples(store: ObjectStore, keys: Sequence[str], pool: ThreadPoolExecutor) -> list[bytes]:
+def read_samples(store: ObjectStore, keys: Sequence[str], pool: ThreadPoolExecutor,
+                 max_object_bytes: int | None = None,
+                 on_size: Callable[[str, int | None], None] | None = None) -> list[bytes]:
     """The encoded bytes of each sample, in order. Each object is fetched once, concurrently.
 
+    ``max_object_bytes`` caps each object (ObjectTooLargeError); ``on_size(object_key, size)``
+    is told each object's size before its body is read, and may raise to refuse it.
     Raises MissingObjectError naming the first key that does not exist.
     """
     # The first requested key of each object, so a failure names a key the caller sent.
-    first_key = {}
+    first_key: dict[str, str] = {}
+    wanted: dict[str, set[str]] = {}
     for key in keys:
-        first_key.setdefault(key.split(SHARD_SEPARATOR, 1)[0], key)
+        object_key, _, member = key.partition(SHARD_SEPARATOR)
+        first_key.setdefault(object_key, key)
+        if member:
+            wanted.setdefault(object_key, set()).add(member)
 
     def fetch(object_key: str) -> bytes:
+        check = (lambda size: on_size(object_key, size)) if on_size else None
         try:
-            return store.get(object_key)
+            return store.get(object_key, max_bytes=max_object_bytes, on_size=check)
         except MissingObjectError:
             raise MissingObjectError(first_key[object_key]) from None
+        except ObjectTooLargeError as exc:
+            raise ObjectTooLargeError(first_key[object_key], None, exc.limit) from exc
 
     objects = dict(zip(first_key, pool.map(fetch, first_key)))
-    members: dict[str, dict[str, bytes]] = {}
+    members = {object_key: _untar(objects[object_key], first_key[object_key], names)
+               for object_key, names in wanted.items()}
     out = []
     for key in keys:
         object_key, _, member = key.partition(SHARD_SEPARATOR)
         if not member:
             out.append(objects[object_key])
             continue
-        if object_key not in members:
-            members[object_key] = _untar(objects[object_key], key)
         try:
             out.append(members[object_key][member])
         except KeyError:
@@ -119,12 +129,30 @@ def read_samples(store: ObjectStore, keys: Sequence[str], pool: ThreadPoolExecut
     return out
 
 
-def _untar(data: bytes, key: str) -> dict[str, bytes]:
+def _untar(data: bytes, key: str, names: set[str]) -> dict[str, bytes]:
+    """The members ``names`` of the tar archive ``data`` (others are never extracted).
+
+    Each member's size is checked against the archive before it is read: a sparse member
+    expands to its declared size however few bytes the archive holds (a 10 KB tar can
+    declare 2 GiB), and a plain member cannot hold more than the archive has after it.
+    Image samples are never sparse, so a sparse member is refused outright.
+    """
+    found: dict[str, bytes] = {}
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+            for member in tar:
+                if member.name not in names or not member.isfile():
+                    continue
+                if member.issparse():
+                    raise CorruptImageError(key, f"shard member {member.name!r} is a sparse file "
+                                            f"(declares {member.size} bytes); samples are never sparse")
+                if member.offset_data + member.size > len(data):
+                    raise CorruptImageError(key, f"shard member {member.name!r} declares {member.size} bytes, "
+                                            f"past the end of its {len(data)}-byte archive")
+                found[member.name] = tar.extractfile(member).read()
     except tarfile.TarError:
         raise CorruptImageError(key, "its shard object is not a readable tar archive") from None
+    return found
 
 
 def _tar(members: Iterable[tuple[str, bytes]]) -> bytes:

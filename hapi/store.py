@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
 
 
@@ -26,10 +27,25 @@ class MissingObjectError(KeyError):
         return f"no object with key {self.key!r}"
 
 
+class ObjectTooLargeError(ValueError):
+    """An object over the size a reader accepts, refused before (or while) its body is read."""
+
+    def __init__(self, key: str, size: int | None, limit: int) -> None:
+        told = f"is {size} bytes" if size is not None else "holds more"
+        super().__init__(f"object {key!r} {told}; at most {limit} bytes are read of one object")
+        self.key = key
+        self.limit = limit
+
+
+# Told an object's size once the store knows it (file size, Content-Length), before its
+# body is read; it may raise to refuse the object. Called with None where the store cannot tell.
+SizeCheck = Callable[[int | None], None]
+
+
 class ObjectStore(Protocol):
     url: str
 
-    def get(self, key: str) -> bytes: ...
+    def get(self, key: str, max_bytes: int | None = None, on_size: SizeCheck | None = None) -> bytes: ...
 
     def put(self, key: str, data: bytes) -> None: ...
 
@@ -51,9 +67,12 @@ class FileStore:
             raise MissingObjectError(key)
         return path
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None, on_size: SizeCheck | None = None) -> bytes:
+        """The object's bytes; over ``max_bytes`` (by its size, or as read) is ObjectTooLargeError."""
         try:
-            return self._path(key).read_bytes()
+            with self._path(key).open("rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                return _bounded_read(f, key, size, max_bytes, on_size)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise MissingObjectError(key) from None
         except (ValueError, OSError) as exc:
@@ -96,11 +115,17 @@ class S3Store:
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, max_bytes: int | None = None, on_size: SizeCheck | None = None) -> bytes:
+        """The object's bytes; over ``max_bytes`` (by Content-Length, or as read) is ObjectTooLargeError."""
         try:
-            return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
         except self.client.exceptions.NoSuchKey:
             raise MissingObjectError(key) from None
+        body = response["Body"]
+        try:
+            return _bounded_read(body, key, response.get("ContentLength"), max_bytes, on_size)
+        finally:
+            body.close()  # unread, the connection cannot be reused
 
     def put(self, key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
@@ -111,6 +136,24 @@ class S3Store:
             self.client.head_bucket(Bucket=self.bucket)
         except self.client.exceptions.ClientError:
             self.client.create_bucket(Bucket=self.bucket)
+
+
+def _bounded_read(stream: BinaryIO, key: str, size: int | None, max_bytes: int | None,
+                  on_size: SizeCheck | None) -> bytes:
+    """Read ``stream`` whole, refusing it before reading when its ``size`` is over ``max_bytes``,
+    and while reading when the stream holds more than it said."""
+    if max_bytes is not None and size is not None and size > max_bytes:
+        raise ObjectTooLargeError(key, size, max_bytes)
+    if on_size is not None:
+        on_size(size)
+    if max_bytes is None:
+        return stream.read()
+    # One byte past what may be read tells an object that grew, or never said its size, apart;
+    # asking for no more than the stated size keeps the reader from sizing a buffer to the limit.
+    data = stream.read(min(size, max_bytes) + 1 if size is not None else max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ObjectTooLargeError(key, None, max_bytes)
+    return data
 
 
 def open_store(url: str, endpoint_url: str | None = None) -> ObjectStore:

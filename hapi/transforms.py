@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 from dataclasses import asdict, dataclass
+from struct import error as struct_error
 
+import numpy as np
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
@@ -22,13 +25,45 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # RandomResizedCrop's defaults (torchvision, Inception-style augmentation).
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+# The formats torchvision's decode_image reads that this project accepts; PIL reads their
+# headers. Anything else (TIFF, BMP, AVIF...) is refused before a decoder sees it.
+ACCEPTED_FORMATS = ("JPEG", "PNG", "GIF", "WEBP")
+# Peak bytes per pixel of decoding one image of each format, before resizing: torchvision's
+# RGB output, plus for PNG the 16-bit decode and its 8-bit copy (3 + 6), and for an
+# animated image PIL's palette frame, its RGBA-sized copy and the array taken of it (1 + 4 + 3).
+_DECODE_BYTES_PER_PIXEL = {"JPEG": 3, "WEBP": 4, "PNG": 9, "GIF": 8}
+_ANIMATED_BYTES_PER_PIXEL = 8
 
 
 class CorruptImageError(ValueError):
     def __init__(self, key: str, reason: str) -> None:
         super().__init__(f"cannot decode image {key!r}: {reason}")
         self.key = key
+
+
+class ImageTooLargeError(ValueError):
+    """A header promises more pixels than the decoder may allocate: refused before decoding."""
+
+    def __init__(self, key: str, reason: str, limit: int) -> None:
+        super().__init__(f"image {key!r} {reason}; the limit is {limit} pixels")
+        self.key = key
+        self.limit = limit
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an encoded image's header says, read without decoding a pixel."""
+
+    format: str
+    width: int
+    height: int
+    animated: bool  # more than one frame: only the first is ever decoded
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
 
 
 @dataclass(frozen=True)
@@ -47,19 +82,21 @@ class TransformSpec:
 
     @classmethod
     def from_dict(cls, body: dict) -> TransformSpec:
+        if not isinstance(body, dict):
+            raise ValueError(f"transform must be a JSON object, got {type(body).__name__}")
         unknown = set(body) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown transform field(s) {sorted(unknown)}")
+            raise ValueError(f"unknown transform field(s) {sorted(unknown)[:10]}")
         for name in ("crop_size", "resize_size", "seed"):
             if name in body and (type(body[name]) is not int):
-                raise ValueError(f"{name} must be an integer, got {body[name]!r}")
+                raise ValueError(f"{name} must be an integer, got {str(body[name])[:80]}")
         if "augment" in body and type(body["augment"]) is not bool:
-            raise ValueError(f"augment must be true or false, got {body['augment']!r}")
+            raise ValueError(f"augment must be true or false, got {str(body['augment'])[:80]}")
         for name in ("mean", "std"):
             value = body.get(name, [1.0, 1.0, 1.0])
             if not (isinstance(value, list | tuple) and len(value) == 3
-                    and all(type(v) in (int, float) for v in value)):
-                raise ValueError(f"{name} must be a list of 3 numbers, got {value!r}")
+                    and all(type(v) in (int, float) and math.isfinite(v) for v in value)):
+                raise ValueError(f"{name} must be a list of 3 finite numbers, got {str(value)[:80]}")
         spec = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in body.items()})
         if min(spec.std) <= 0:
             raise ValueError(f"std must be positive, got {list(spec.std)}")
@@ -90,6 +127,55 @@ def _random_crop_box(height: int, width: int, g: torch.Generator) -> tuple[int, 
     return (height - side) // 2, (width - side) // 2, side, side
 
 
+def read_header(data: bytes, key: str) -> ImageHeader:
+    """Format, size and animation of ``data`` from its header alone (PIL opens lazily).
+
+    PIL refuses to open what it considers a decompression bomb (over twice its own pixel
+    limit); such an image is too large for any sensible limit, and says so.
+    """
+    if not data:
+        raise CorruptImageError(key, "the object is empty")
+    try:
+        with Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS) as image:
+            # is_animated looks for a second frame only; n_frames would walk every frame.
+            return ImageHeader(image.format, *image.size, bool(getattr(image, "is_animated", False)))
+    except Image.DecompressionBombError:
+        raise ImageTooLargeError(key, f"claims more than {2 * Image.MAX_IMAGE_PIXELS} pixels",
+                                 2 * Image.MAX_IMAGE_PIXELS) from None
+    except (OSError, SyntaxError, ValueError, EOFError, struct_error) as exc:
+        raise CorruptImageError(key, f"not a {', '.join(ACCEPTED_FORMATS)} image ({str(exc)[:120]})") from None
+
+
+def working_pixels(header: ImageHeader, spec: TransformSpec) -> int:
+    """The most pixels one step of ``preprocess`` holds: the decoded image, or its resized copy
+    (a 1 x 30000 strip resized to a 256-pixel short side is 7.7 million pixels long)."""
+    if spec.augment:
+        resized = spec.crop_size * spec.crop_size
+    else:
+        short, long = sorted((max(header.width, 1), max(header.height, 1)))
+        resized = spec.resize_size * math.ceil(spec.resize_size * long / short)
+    return max(header.pixels, resized)
+
+
+def check_pixels(header: ImageHeader, key: str, spec: TransformSpec, max_pixels: int) -> None:
+    """Refuse, before decoding, an image whose decode or resize would hold over ``max_pixels``."""
+    if header.pixels > max_pixels:
+        raise ImageTooLargeError(key, f"is {header.width} x {header.height} pixels", max_pixels)
+    resized = working_pixels(header, spec)
+    if resized > max_pixels:
+        raise ImageTooLargeError(key, f"is {header.width} x {header.height} pixels, which resize to {resized} "
+                                 f"for a {spec.resize_size}-pixel short side", max_pixels)
+
+
+def preprocess_peak_bytes(header: ImageHeader, spec: TransformSpec) -> int:
+    """Peak bytes ``preprocess`` allocates for this image: its decode, then the resize (an
+    8-bit copy and one separable pass of the same size), then the float crop and its normalised copy."""
+    per_pixel = _ANIMATED_BYTES_PER_PIXEL if header.animated else _DECODE_BYTES_PER_PIXEL[header.format]
+    decode = header.pixels * per_pixel
+    resize = header.pixels * 3 + 2 * 3 * working_pixels(header, spec)
+    return max(decode, resize) + 2 * 3 * spec.crop_size * spec.crop_size * 4
+
+
 def _check_png(data: bytes, key: str) -> None:
     """PIL reads the PNG first: libpng inside torchvision crashes the whole process on some
     malformed ones (a header that claims more pixels than the data holds)."""
@@ -100,18 +186,43 @@ def _check_png(data: bytes, key: str) -> None:
         raise CorruptImageError(key, f"not a valid PNG ({exc})") from None
 
 
-def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0) -> torch.Tensor:
-    """Decode ``data`` and return a normalised float32 (3, crop, crop) tensor."""
-    if not data:
-        raise CorruptImageError(key, "the object is empty")
-    if data.startswith(PNG_SIGNATURE):
-        _check_png(data, key)
+def _first_frame(data: bytes, key: str) -> torch.Tensor:
+    """The first frame of an animated image as a (3, H, W) uint8 tensor.
+
+    Only the first frame is decoded, never the rest: an animated image is a still one
+    with frames the model never sees, and decoding them all (as torchvision's GIF decoder
+    does) would let 700 one-pixel frames on a large canvas cost 700 canvases. Taking
+    the first frame, rather than refusing, keeps data sets with a stray animation usable.
+    """
     try:
-        image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-    except RuntimeError:
-        # torchvision's own message is its C++ source location and a list of decoders.
-        raise CorruptImageError(key, "not a decodable JPEG, PNG, WebP or GIF image") from None
-    if image.ndim == 4:  # an animated GIF: its first frame
+        with Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS) as image:
+            rgb = image.convert("RGB")
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        raise CorruptImageError(key, f"first frame not decodable ({str(exc)[:120]})") from None
+    return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
+
+
+def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0,
+               max_pixels: int | None = None) -> torch.Tensor:
+    """Decode ``data`` and return a normalised float32 (3, crop, crop) tensor.
+
+    The header is read first: an unaccepted format is refused, and with ``max_pixels`` an
+    image whose decode or resize would hold more pixels, before a byte of it is decoded.
+    """
+    header = read_header(data, key)
+    if max_pixels is not None:
+        check_pixels(header, key, spec, max_pixels)
+    if header.animated:
+        image = _first_frame(data, key)
+    else:
+        if header.format == "PNG":
+            _check_png(data, key)
+        try:
+            image = decode_image(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        except RuntimeError:
+            # torchvision's own message is its C++ source location and a list of decoders.
+            raise CorruptImageError(key, "not a decodable JPEG, PNG, WebP or GIF image") from None
+    if image.ndim == 4:  # frames PIL did not count as an animation (giflib counts differently): the first
         image = image[0]
     # 16-bit PNGs decode to uint16; everything below works on 8-bit levels.
     image = F.to_dtype(image, torch.uint8, scale=True)

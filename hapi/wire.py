@@ -8,6 +8,7 @@ bytes. Nothing received is ever unpickled.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -24,14 +25,82 @@ WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": t
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
+# The schema nests three deep (request -> transform -> mean); anything deeper is not a request.
+MAX_JSON_DEPTH = 8
+# /v1/profile's own bounds: a handful of distinct batch sizes, a few timed runs each.
+MAX_PROFILE_BATCH_SIZES = 8
+MAX_PROFILE_REPEATS = 10
+MAX_PROFILE_BATCH = 4096
+
+
 class WireError(ValueError):
     """A request or response that does not follow the schema."""
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # "1e400" parses to inf
+        raise WireError(f"number {text} is out of range")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    raise WireError(f"{name} is not a number JSON allows")
+
+
+def parse_json(data: bytes) -> object:
+    """A request body parsed as strict JSON: UTF-8, finite numbers, strings that are text
+    (no lone surrogates), nested at most MAX_JSON_DEPTH deep. Anything else is a WireError."""
+    try:
+        text = data.decode("utf-8")
+        body = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+    except UnicodeDecodeError as exc:
+        raise WireError(f"body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise WireError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except json.JSONDecodeError as exc:
+        raise WireError(f"body is not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except ValueError as exc:  # an integer past Python's digit limit
+        raise WireError(f"body is not usable JSON ({str(exc)[:120]})") from None
+    _check_json_tree(body)
+    return body
+
+
+def _check_json_tree(body: object) -> None:
+    """Iterative, so depth cannot exhaust the stack here either."""
+    stack = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value)
+        elif isinstance(value, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                raise WireError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+            if isinstance(value, dict):
+                for key in value:
+                    _check_text(key)
+                value = value.values()
+            stack.extend((item, depth + 1) for item in value)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise WireError(f"string {text[:40]!r} holds a lone surrogate (U+{ord(text[exc.start]):04X}), "
+                        "not text") from None
+
+
+def shorten(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: error messages echo what was sent, not all of it."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**limit else f"<{value.bit_length()}-bit int>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _checked_fields(cls: type, body: object, required: tuple[str, ...], types: dict[str, type]) -> dict:
     """``body`` as a dict of ``cls``'s fields: no unknown, none required missing, scalars typed."""
     if not isinstance(body, dict):
-        raise WireError("request body must be a JSON object")
+        raise WireError(f"request body must be a JSON object, got {type(body).__name__}")
     unknown = set(body) - set(cls.__dataclass_fields__)
     if unknown:
         raise WireError(f"unknown field(s) {sorted(unknown)}")
@@ -41,7 +110,7 @@ def _checked_fields(cls: type, body: object, required: tuple[str, ...], types: d
     for name, kind in types.items():
         # bool is an int to Python, never to this schema.
         if name in body and (not isinstance(body[name], kind) or isinstance(body[name], bool)):
-            raise WireError(f"{name!r} must be a {kind.__name__}, got {body[name]!r}")
+            raise WireError(f"{name!r} must be a {kind.__name__}, got {shorten(body[name])}")
     return body
 
 
@@ -76,7 +145,7 @@ class ExtractRequest:
         if len(set(keys)) != len(keys):
             raise WireError("'keys' holds duplicates")
         if body.get("dtype", "float32") not in WIRE_DTYPES:
-            raise WireError(f"dtype {body['dtype']!r} not one of {sorted(WIRE_DTYPES)}")
+            raise WireError(f"dtype {shorten(body['dtype'])} not one of {sorted(WIRE_DTYPES)}")
         try:
             transform = TransformSpec.from_dict(body.get("transform", {}))
         except (TypeError, ValueError) as exc:
@@ -97,27 +166,51 @@ def decode_features(blob: bytearray) -> tuple[torch.Tensor, tuple[str, ...], dic
 
     Parsed by hand (the format is an 8-byte length, a JSON header, then raw data) because
     ``safetensors.torch.load`` copies every tensor. ``blob`` must be writable (a bytearray)
-    since later stages may work in place; immutable bytes are copied once.
+    since later stages may work in place; immutable bytes are copied once. Every field of
+    the header is checked against the blob before any tensor is made of it.
     """
     if isinstance(blob, bytes):
         blob = bytearray(blob)
+    if len(blob) < 8:
+        raise WireError(f"malformed features response: {len(blob)} bytes, shorter than its length prefix")
+    (header_len,) = struct.unpack_from("<Q", blob)
+    _require(header_len <= len(blob) - 8, f"header length {header_len} past the end of {len(blob)} bytes")
     try:
-        (header_len,) = struct.unpack_from("<Q", blob)
-        header = json.loads(blob[8: 8 + header_len])
-        meta = header.pop("__metadata__")
-        entry = header["features"]
-        start, end = entry["data_offsets"]
-        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-        offset = 8 + header_len + start
-        shape = entry["shape"]
-        count = end - start
-        data = torch.frombuffer(blob, dtype=dtype, count=count // dtype.itemsize, offset=offset)
-        keys = tuple(json.loads(meta.pop("keys")))
-    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        header = parse_json(bytes(blob[8: 8 + header_len]))
+    except WireError as exc:
         raise WireError(f"malformed features response: {exc}") from None
-    if len(keys) != (shape[0] if shape else 0):
-        raise WireError(f"features hold {shape[0] if shape else 0} rows for {len(keys)} keys")
-    return data.view(shape), keys, {name: json.loads(value) for name, value in meta.items()}
+    _require(isinstance(header, dict), "header is not a JSON object")
+    meta, entry = header.get("__metadata__"), header.get("features")
+    _require(isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()),
+             "'__metadata__' is not an object of strings")
+    _require(isinstance(entry, dict), "no 'features' tensor")
+    dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+    _require(dtype is not None, f"dtype {shorten(entry.get('dtype'))} not one of {sorted(_SAFETENSORS_DTYPES)}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    _require(isinstance(shape, list) and len(shape) >= 1 and all(type(d) is int and d >= 0 for d in shape),
+             f"shape {shorten(shape)} is not a list of sizes")
+    _require(isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+             and 0 <= offsets[0] <= offsets[1] <= len(blob) - 8 - header_len,
+             f"data_offsets {shorten(offsets)} outside the {len(blob) - 8 - header_len} data bytes")
+    start, end = offsets
+    _require(end - start == math.prod(shape) * dtype.itemsize,
+             f"{end - start} data bytes for shape {shape} of {dtype}")
+    try:
+        keys = json.loads(meta.pop("keys", "null"))
+        extra = {name: json.loads(value) for name, value in meta.items()}
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"malformed features response: metadata is not JSON ({str(exc)[:80]})") from None
+    _require(isinstance(keys, list) and all(isinstance(k, str) for k in keys), "metadata 'keys' is not a list of keys")
+    if len(keys) != shape[0]:
+        raise WireError(f"features hold {shape[0]} rows for {len(keys)} keys")
+    data = torch.frombuffer(blob, dtype=dtype, count=(end - start) // dtype.itemsize,
+                            offset=8 + header_len + start) if end > start else torch.empty(0, dtype=dtype)
+    return data.view(shape), tuple(keys), extra
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise WireError(f"malformed features response: {what}")
 
 
 @dataclass(frozen=True)
@@ -145,11 +238,13 @@ class ProfileRequest:
                                types={"model": str, "weights": str, "input_size": int, "repeats": int,
                                       "job_id": str})
         sizes = body.get("batch_sizes", list(cls.batch_sizes))
-        if (not isinstance(sizes, list) or not sizes
-                or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in sizes)):
-            raise WireError(f"'batch_sizes' must be a non-empty list of positive integers, got {sizes!r}")
+        if (not isinstance(sizes, list) or not 1 <= len(sizes) <= MAX_PROFILE_BATCH_SIZES
+                or not all(type(b) is int and 1 <= b <= MAX_PROFILE_BATCH for b in sizes)
+                or len(set(sizes)) != len(sizes)):
+            raise WireError(f"'batch_sizes' must be 1 to {MAX_PROFILE_BATCH_SIZES} distinct integers in "
+                            f"1..{MAX_PROFILE_BATCH}, got {str(sizes)[:200]}")
         if not 8 <= body.get("input_size", cls.input_size) <= 4096:
-            raise WireError(f"input_size {body['input_size']} not in 8..4096")
-        if not 1 <= body.get("repeats", cls.repeats) <= 20:
-            raise WireError(f"repeats {body['repeats']} not in 1..20")
+            raise WireError(f"input_size {shorten(body['input_size'])} not in 8..4096")
+        if not 1 <= body.get("repeats", cls.repeats) <= MAX_PROFILE_REPEATS:
+            raise WireError(f"repeats {shorten(body['repeats'])} not in 1..{MAX_PROFILE_REPEATS}")
         return cls(**{**body, "batch_sizes": tuple(sizes)})

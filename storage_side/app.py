@@ -18,9 +18,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from werkzeug.exceptions import HTTPException
 
 from hapi.models import MODELS
-from hapi.store import MissingObjectError, open_store
-from hapi.transforms import CorruptImageError
-from hapi.wire import FEATURES_CONTENT_TYPE, ExtractRequest, ProfileRequest, WireError
+from hapi.store import MissingObjectError, ObjectTooLargeError, open_store
+from hapi.transforms import CorruptImageError, ImageTooLargeError
+from hapi.wire import FEATURES_CONTENT_TYPE, ExtractRequest, ProfileRequest, WireError, parse_json
 from storage_side.admission import Admission
 from storage_side.config import DaemonConfig, usable_cpus
 from storage_side.errors import RequestError
@@ -32,8 +32,11 @@ from storage_side.profile import profile_stages
 
 log = logging.getLogger(__name__)
 
-# Liveness probes must work without the token; /healthz says nothing a client could misuse.
+# Liveness probes must work without the token; /healthz says nothing but that the node is up.
 UNAUTHENTICATED = ("/healthz",)
+# Profiling work a request may ask for, in sample passes (batch x (repeats + warm-up)), per
+# key an extract request may hold: a profile of the largest batch, three timed runs and a warm-up.
+PROFILE_PASSES_PER_KEY = 4
 STAGE_TIMINGS = ("load", "queue", "fetch", "decode_wait", "forward", "encode")
 
 
@@ -42,10 +45,11 @@ def _error(status: int, code: str, message: str, **extra: object) -> tuple[Respo
 
 
 def _json_body() -> object:
-    body = request.get_json(silent=True)
-    if body is None:
+    if not request.is_json:
         raise WireError("body must be JSON (Content-Type: application/json)")
-    return body
+    # Parsed strictly by the schema's own parser, not Flask's: finite numbers, text strings,
+    # bounded nesting, every failure a 400 (the body's size is capped by MAX_CONTENT_LENGTH).
+    return parse_json(request.get_data(cache=False))
 
 
 def memory_capacity(config: DaemonConfig) -> tuple[int, int, int]:
@@ -72,7 +76,8 @@ def create_app(config: DaemonConfig) -> Flask:
                  if config.adapt else None)
     cache = PrefixCache(admission, config.weights_files, compute_dtype)
     extractor = Extractor(store, cache, admission, config.io_threads, config.min_sub_batch, config.max_sub_batch,
-                          compute_dtype, config.compute_slots() if config.adapt else None)
+                          compute_dtype, config.compute_slots() if config.adapt else None,
+                          config.max_image_pixels, config.max_object_bytes, config.dataset_prefixes)
     metrics = Metrics(budget, admission, cache)
     app.extensions["hapi"] = {"admission": admission, "cache": cache, "extractor": extractor, "metrics": metrics}
     log.info("memory budget %.0f MB: %.0f MB idle process, %.0f MB for models and requests (%s)",
@@ -100,7 +105,7 @@ def create_app(config: DaemonConfig) -> Flask:
 
     @app.get("/healthz")
     def healthz():
-        return jsonify(status="ok", store=store.url)
+        return jsonify(status="ok")
 
     @app.get("/metrics")
     def prometheus():
@@ -147,6 +152,11 @@ def create_app(config: DaemonConfig) -> Flask:
         if max(req.batch_sizes) > config.max_keys_per_request:
             return _error(413, "batch_too_large", f"batch size {max(req.batch_sizes)} over this node's limit of "
                           f"{config.max_keys_per_request}", limit=config.max_keys_per_request)
+        passes = sum(req.batch_sizes) * (req.repeats + 1)
+        if passes > PROFILE_PASSES_PER_KEY * config.max_keys_per_request:
+            limit = PROFILE_PASSES_PER_KEY * config.max_keys_per_request
+            return _error(413, "profile_too_large", f"batch sizes {list(req.batch_sizes)} x ({req.repeats} repeats "
+                          f"+ a warm-up) are {passes} sample passes; this node runs at most {limit}", limit=limit)
         with cache.lease(req.model, req.weights, req.input_size, req.job_id) as prefix:
             need = prefix.memory.forward_bytes(len(prefix.stages), max(req.batch_sizes))
             if admission is not None and need > admission.capacity:
@@ -154,7 +164,9 @@ def create_app(config: DaemonConfig) -> Flask:
                                    f"node reserves at most {admission.capacity}")
             reservation = admission.admit(req.job_id, need, need) if admission is not None else None
             try:
-                stages = profile_stages(prefix, req.batch_sizes, req.repeats, compute_dtype)
+                # A compute turn like an extract request's: profiling shares the cores, it does not add to them.
+                with extractor.compute_turns:
+                    stages = profile_stages(prefix, req.batch_sizes, req.repeats, compute_dtype)
             finally:
                 if reservation is not None:
                     reservation.release()
@@ -178,6 +190,16 @@ def create_app(config: DaemonConfig) -> Flask:
     @app.errorhandler(MissingObjectError)
     def missing_object(exc: MissingObjectError):
         return _error(404, "missing_object", str(exc), key=exc.key)
+
+    @app.errorhandler(ImageTooLargeError)
+    def image_too_large(exc: ImageTooLargeError):
+        metrics.refused.labels("image_too_large").inc()
+        return _error(413, "image_too_large", str(exc), key=exc.key, limit=exc.limit)
+
+    @app.errorhandler(ObjectTooLargeError)
+    def object_too_large(exc: ObjectTooLargeError):
+        metrics.refused.labels("object_too_large").inc()
+        return _error(413, "object_too_large", str(exc), key=exc.key, limit=exc.limit)
 
     @app.errorhandler(CorruptImageError)
     def corrupt_image(exc: CorruptImageError):

@@ -6,6 +6,7 @@ fields, so an option, its default and its documentation cannot drift apart.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -26,12 +27,26 @@ class DaemonConfig:
     store_url: str = field(metadata={"help": "s3://bucket/prefix or file:///path: the store this node serves"})
     endpoint_url: str | None = _option(None, "S3 endpoint of this node's store (Swift, MinIO, Ceph...); "
                                              "default $AWS_ENDPOINT_URL")
-    host: str = _option("127.0.0.1", "address to listen on")
+    dataset_prefixes: tuple[str, ...] = field(default_factory=tuple, metadata={
+        "help": "a key prefix under --store that requests may read (e.g. imagenet/); repeatable. Keys "
+                "outside every one are answered 404 like missing ones. Default: every key under --store, "
+                "so give --store the data sets' own prefix (s3://bucket/datasets), not a whole bucket"})
+    host: str = _option("127.0.0.1", "address to listen on; one other than loopback needs a token, or --insecure")
     port: int = _option(8470, "port to listen on")
-    server: str = _option("auto", "gunicorn (one process, gthread), waitress, or auto: gunicorn where it runs")
+    insecure: bool = _option(
+        False, "serve a non-loopback --host without a token: anyone who reaches the port reads the data sets")
+    server: str = _option(
+        "auto", "waitress, gunicorn (one process, gthread), or auto: waitress. waitress reads each request "
+                "whole on its event loop before a thread runs it, so slow or idle clients hold no thread; "
+                "gunicorn's gthread hands a connection to a thread before reading it, and 32 idle "
+                "connections stall every other client")
     server_threads: int = _option(
         32, "HTTP threads. Requests waiting for memory wait in the daemon's own fair queue, not in the "
             "server's accept queue, so keep this above the number of concurrent clients")
+    max_connections: int = _option(
+        1000, "open client connections (waitress); beyond it new ones wait in the kernel's accept queue")
+    client_timeout_s: float = _option(
+        30.0, "seconds a connection may stay idle or send nothing before it is closed (slow or stalled clients)")
     io_threads: int = _option(8, "concurrent object GETs and image decodes, shared by all requests")
     torch_threads: int = _option(0, "intra-op threads for the prefix; 0 leaves torch's default (one per core)")
     compute_dtype: str = _option(
@@ -59,9 +74,19 @@ class DaemonConfig:
     queue_timeout_s: float = _option(30.0, "seconds a request may wait for memory before 503 + Retry-After")
     max_keys_per_request: int = _option(1024, "keys per extract request; beyond it: 413")
     max_request_bytes: int = _option(1 << 20, "bytes of a request body; beyond it: 413")
+    max_request_header_bytes: int = _option(
+        64 << 10, "bytes of a request's line and headers together; beyond it: 431 (waitress)")
+    max_image_pixels: int = _option(
+        1 << 26, "pixels an image may decode or resize to (e.g. 8192 x 8192); read from its header and "
+                 "refused (413) before any decode. Only the first frame of an animated image is ever decoded")
+    max_object_bytes: int = _option(
+        256 << 20, "bytes of one object (an image or a tar shard): refused (413) by its size before it is read, "
+                   "or while reading where the store does not tell the size; the bytes of a request's objects "
+                   "are also charged to its memory reservation before they are read")
     token: str | None = field(default=None, repr=False, metadata={
         "help": "shared bearer token; requests without it get 401. Read from $HAPI_STORAGE_TOKEN or "
-                "--token-file, never from the command line (it would show in ps)"})
+                "--token-file, never from the command line (it would show in ps); an empty or blank one "
+                "is an error, never 'no authentication'"})
     log_format: str = _option("text", "text, or json: one JSON object per log line")
     weights_files: tuple[Path, ...] = field(default_factory=tuple, metadata={
         "help": "a state_dict file requests may use (named by its sha256); repeatable"})
@@ -71,9 +96,23 @@ class DaemonConfig:
             raise ValueError(f"compute_dtype {self.compute_dtype!r} not one of {COMPUTE_DTYPES}")
         if not 0 <= self.memory_headroom < 1:
             raise ValueError(f"memory_headroom {self.memory_headroom} must be in [0, 1)")
-        for name in ("max_sub_batch", "min_sub_batch", "io_threads", "server_threads", "max_keys_per_request"):
+        for name in ("max_sub_batch", "min_sub_batch", "io_threads", "server_threads", "max_keys_per_request",
+                     "max_connections", "max_image_pixels", "max_object_bytes", "max_request_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.client_timeout_s <= 0:
+            raise ValueError(f"client_timeout_s must be > 0, got {self.client_timeout_s}")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("the token is empty or blank: that would turn authentication off. Put a secret in "
+                             "the token file (or $HAPI_STORAGE_TOKEN), or give neither on a loopback --host")
+        if not self.token and not self.insecure and not is_loopback(self.host):
+            raise ValueError(f"--host {self.host} is reachable from other machines and no token is set: set "
+                             "$HAPI_STORAGE_TOKEN or --token-file, or pass --insecure to serve the data sets to "
+                             "anyone who reaches the port")
+        for prefix in self.dataset_prefixes:
+            if not is_plain_key(prefix.rstrip("/")):
+                raise ValueError(f"dataset prefix {prefix!r} must be a relative key prefix without '.', '..' or "
+                                 "empty segments (e.g. imagenet/)")
         if self.max_queue < 0 or self.queue_timeout_s < 0 or self.max_running < 0:
             raise ValueError("max_queue, max_running and queue_timeout_s must be >= 0")
 
@@ -84,6 +123,25 @@ class DaemonConfig:
     def running_limit(self) -> int:
         """``max_running``, or (0: auto) one more than the compute slots."""
         return self.max_running or self.compute_slots() + 1
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def is_plain_key(key: str) -> bool:
+    """A relative key whose segments are all names: no '', '.', '..', no leading '/' or backslash.
+
+    Such a key means the same object to every store (a file system, or an S3 server that
+    normalises paths), so a prefix check on it cannot be walked around.
+    """
+    return bool(key) and "\\" not in key and all(part not in ("", ".", "..") for part in key.split("/"))
 
 
 def usable_cpus() -> int:

@@ -24,11 +24,12 @@ import torch
 
 from hapi.datasets import SHARD_SEPARATOR, read_samples
 from hapi.models import ModelSpec, UnknownModelError, get_spec
-from hapi.store import ObjectStore
-from hapi.transforms import preprocess
+from hapi.store import MissingObjectError, ObjectStore
+from hapi.transforms import check_pixels, preprocess, preprocess_peak_bytes, read_header
 from hapi.wire import WIRE_DTYPES, ExtractRequest, encode_features
 from storage_side.admission import Admission, Reservation
-from storage_side.errors import RequestError
+from storage_side.config import is_plain_key
+from storage_side.errors import Busy, RequestError
 from storage_side.memory import PrefixMemory, SampleSizes, Staging, autocast_context
 from storage_side.prefix_cache import LoadedPrefix, PrefixCache
 
@@ -73,6 +74,44 @@ class RequestCost:
         return low
 
 
+class FetchMeter:
+    """Charges each object's bytes to a request's reservation before its body is read.
+
+    The reservation was sized with an estimate of the samples' bytes; objects larger than
+    estimated grow it while memory is free, and are refused otherwise: 413 when the
+    request's objects could never fit this node, 503 + Retry-After when they could later.
+    """
+
+    def __init__(self, reservation: Reservation, admission: Admission, allowance: int, fixed: int,
+                 max_object_bytes: int, shards: set[str]) -> None:
+        self.reservation = reservation
+        self.admission = admission
+        self.allowance = allowance  # bytes of the reservation meant for the objects
+        self.fixed = fixed  # the least the request needs besides its objects
+        self.max_object_bytes = max_object_bytes
+        self.shards = shards  # object keys held twice: whole, and as the members cut out of them
+        self.charged = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, object_key: str, size: int | None) -> None:
+        # A store that does not say a size is read up to the cap: charge the cap.
+        nbytes = (self.max_object_bytes if size is None else size) * (2 if object_key in self.shards else 1)
+        with self._lock:
+            self.charged += nbytes
+            over = self.charged - self.allowance
+            if over <= 0 or self.reservation.try_grow(self.reservation.bytes + over):
+                self.allowance = max(self.allowance, self.charged)
+                return
+            most = self.admission.capacity - self.fixed
+            if self.charged > most:
+                raise RequestError(413, "objects_too_large",
+                                   f"the request's objects hold over {self.charged} bytes (with shards counted "
+                                   f"twice); this node has at most {max(most, 0)} for them: send fewer keys")
+            raise Busy("memory_busy", f"the request's objects hold {self.charged} bytes, {over} more than "
+                       "estimated, and that much memory is not free now; retry later",
+                       self.admission.retry_after_s())
+
+
 @dataclass
 class RequestStats:
     """What one request did, for the response metadata, the metrics and the log."""
@@ -88,8 +127,13 @@ class Extractor:
 
     def __init__(self, store: ObjectStore, cache: PrefixCache, admission: Admission | None,
                  io_threads: int, min_sub_batch: int, max_sub_batch: int,
-                 compute_dtype: torch.dtype = torch.float32, compute_slots: int | None = None) -> None:
+                 compute_dtype: torch.dtype = torch.float32, compute_slots: int | None = None,
+                 max_image_pixels: int = 1 << 26, max_object_bytes: int = 256 << 20,
+                 dataset_prefixes: tuple[str, ...] = ()) -> None:
         self.store = store
+        self.max_image_pixels = max_image_pixels
+        self.max_object_bytes = max_object_bytes
+        self.dataset_prefixes = tuple(p.rstrip("/") + "/" for p in dataset_prefixes)
         self.cache = cache
         self.admission = admission
         self.io_threads = io_threads
@@ -102,7 +146,17 @@ class Extractor:
         # Before any request has been seen: a ~100 KB JPEG of ~500x400 px, like ImageNet's.
         self.sample_sizes = SampleSizes(Staging(raw_per_sample=128 << 10, decode_peak=2 * 500 * 400 * 3))
 
+    def servable(self, key: str) -> bool:
+        """Whether this node serves ``key``: a plain key (its object's and its member's part)
+        under one of the operator's data set prefixes, if any were configured."""
+        object_key = key.split(SHARD_SEPARATOR, 1)[0]
+        return (is_plain_key(object_key)
+                and (not self.dataset_prefixes or object_key.startswith(self.dataset_prefixes)))
+
     def validate(self, request: ExtractRequest) -> None:
+        for key in request.keys:
+            if not self.servable(key):
+                raise MissingObjectError(key)  # as a missing one: what lies outside is not told
         spec = self.validate_model(request.model, request.transform.crop_size)
         if not 0 <= request.split <= spec.freeze_index:
             raise RequestError(400, "bad_split",
@@ -170,11 +224,23 @@ class Extractor:
              stats: RequestStats) -> bytes:
         timings = stats.timings
         started = time.perf_counter()
-        blobs: list[bytes | None] = list(read_samples(self.store, request.keys, self.pool))
+        shards = {k.split(SHARD_SEPARATOR, 1)[0] for k in request.keys if SHARD_SEPARATOR in k}
+        meter = None
+        if reservation is not None:
+            known = replace(cost, staging=Staging(0, cost.staging.decode_peak)).bytes(1)
+            meter = FetchMeter(reservation, self.admission, cost.samples * cost.staging.raw_per_sample,
+                               known + cost.memory.weights_bytes, self.max_object_bytes, shards)
+        blobs: list[bytes | None] = list(read_samples(self.store, request.keys, self.pool,
+                                                      self.max_object_bytes, meter))
         timings["fetch_ms"] = _ms_since(started)
         stats.raw_bytes = sum(len(b) for b in blobs)
-        sharded = any(SHARD_SEPARATOR in k for k in request.keys)
-        cost = replace(cost, staging=SampleSizes.measure(blobs, sharded))
+        # Every header is read, and every image too large refused, before a pixel is decoded.
+        peaks = []
+        for key, blob in zip(request.keys, blobs, strict=True):
+            header = read_header(blob, key)
+            check_pixels(header, key, request.transform, self.max_image_pixels)
+            peaks.append(preprocess_peak_bytes(header, request.transform))
+        cost = replace(cost, staging=Staging.measure(map(len, blobs), peaks, bool(shards)))
         sub_batch = self._choose_sub_batch(cost, reservation)
         self.sample_sizes.record(cost.staging)
         stats.sub_batch = sub_batch
@@ -186,7 +252,7 @@ class Extractor:
 
         def decode(i: int) -> torch.Tensor:
             blob, blobs[i] = blobs[i], None  # the encoded bytes are not needed once decoded
-            return preprocess(blob, request.keys[i], request.transform, request.epoch)
+            return preprocess(blob, request.keys[i], request.transform, request.epoch, self.max_image_pixels)
 
         def submit(start: int) -> list[Future[torch.Tensor]]:
             return [self.pool.submit(decode, i) for i in range(start, min(start + sub_batch, n))]
@@ -237,7 +303,8 @@ class Extractor:
         if fitting == 0 and cost.bytes(1) > most:  # e.g. an image whose header promises gigapixels
             raise RequestError(413, "exceeds_memory",
                                f"these samples need {cost.bytes(1)} bytes even one at a time (the largest "
-                               f"decodes to {cost.staging.decode_peak // 2} bytes); this node has at most {most}")
+                               f"takes {cost.staging.decode_peak} bytes to decode and resize); this node has "
+                               f"at most {most}")
         if fitting == 0:
             # The samples are larger than estimated: take the difference if it is free now;
             # otherwise run one at a time over the reservation by the estimate's error, which

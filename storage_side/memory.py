@@ -11,7 +11,6 @@ its batch.
 from __future__ import annotations
 
 import ctypes
-import io
 import logging
 import os
 import resource
@@ -23,7 +22,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from PIL import Image
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -212,28 +210,20 @@ def calibrate(stages: nn.Sequential, input_size: int, compute_dtype: torch.dtype
 # --- what the samples of a request cost before they reach the prefix --------------
 
 
-def decoded_bytes(blob: bytes) -> int:
-    """Bytes of ``blob`` decoded to 8-bit RGB, read from its header (no decoding).
-
-    0 where the header does not parse: decoding will then fail and report the key.
-    """
-    try:
-        with Image.open(io.BytesIO(blob)) as image:
-            width, height = image.size
-    except Image.DecompressionBombError:
-        # PIL will not even open it; it is at least this large, which is what matters here.
-        return 2 * Image.MAX_IMAGE_PIXELS * 3
-    except Exception:  # noqa: BLE001  any unreadable header: preprocess reports it by key
-        return 0
-    return width * height * 3
-
-
 @dataclass(frozen=True)
 class Staging:
     """Bytes per sample between the store and the prefix."""
 
     raw_per_sample: int  # encoded bytes held from GET until decoded
-    decode_peak: int  # the largest decode in flight: the decoded image and its resized copy
+    decode_peak: int  # the largest preprocess in flight: the decoded image, its resized copy, the crop
+
+    @classmethod
+    def measure(cls, raw_sizes: Iterable[int], decode_peaks: Iterable[int], sharded: bool) -> Staging:
+        """What these samples weigh, from their encoded sizes and what their headers say decoding costs."""
+        raw_sizes = list(raw_sizes)
+        raw = -(-sum(raw_sizes) // max(len(raw_sizes), 1))
+        # A shard is held whole while its members are cut out of it: twice the bytes.
+        return cls(raw * (2 if sharded else 1), max(decode_peaks, default=0))
 
 
 class SampleSizes:
@@ -254,14 +244,6 @@ class SampleSizes:
             if not self._seen:
                 return self._first_guess
             return Staging(max(s.raw_per_sample for s in self._seen), max(s.decode_peak for s in self._seen))
-
-    @staticmethod
-    def measure(blobs: Iterable[bytes], sharded: bool) -> Staging:
-        """What these samples weigh, from their bytes and image headers."""
-        blobs = list(blobs)
-        raw = -(-sum(len(b) for b in blobs) // max(len(blobs), 1))
-        # A shard is held whole while its members are cut out of it: twice the bytes.
-        return Staging(raw * (2 if sharded else 1), 2 * max((decoded_bytes(b) for b in blobs), default=0))
 
     def record(self, staging: Staging) -> None:
         """Count a served request's samples (not a refused one's: one bad image must not

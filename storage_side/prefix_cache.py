@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
+import torchvision
 from torch import nn
 
 from hapi.models import RANDOM_WEIGHTS, build_model, file_weights_id, get_spec
@@ -79,6 +81,13 @@ def load_bytes_bound(model: str, input_size: int, from_file: bool) -> int:
     return model_bytes(full) * (2 if from_file else 1) + worst
 
 
+def torchvision_weights_cached(enum_name: str) -> bool:
+    """Whether torchvision's weights ``enum_name`` are in torch's hub cache, where loading
+    them reads the file and downloads nothing."""
+    url = torchvision.models.get_weight(enum_name).url
+    return (Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(url).path).name).is_file()
+
+
 class PrefixCache:
     def __init__(self, admission: Admission | None, weights_files: tuple[Path, ...],
                  compute_dtype: torch.dtype = torch.float32) -> None:
@@ -96,6 +105,12 @@ class PrefixCache:
         if weights_id == RANDOM_WEIGHTS:
             return RANDOM_WEIGHTS
         if weights_id == f"torchvision:{get_spec(model).torchvision_weights}":
+            if not torchvision_weights_cached(get_spec(model).torchvision_weights):
+                # Never downloaded at request time: a request must not make the node reach the network.
+                raise RequestError(409, "weights_unavailable",
+                                   f"weights {weights_id!r} for {model} are not on this node (not in torch's "
+                                   f"cache {torch.hub.get_dir()}); give it a state_dict with --weights-file "
+                                   "PATH and request them by its sha256")
             return "torchvision"
         if weights_id in self._files:
             return str(self._files[weights_id])

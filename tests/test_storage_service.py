@@ -262,7 +262,12 @@ def test_profile_times_every_frozen_stage(data) -> None:
     ({"model": "resnet18", "repeats": 100}, 400, "bad_request"),
     ({"model": "resnet18", "input_size": 5}, 400, "bad_request"),
     ({"model": "resnet18", "colour": 1}, 400, "bad_request"),
-    ({"model": "resnet18", "batch_sizes": [5000]}, 413, "batch_too_large"),
+    ({"model": "resnet18", "batch_sizes": [5000]}, 400, "bad_request"),
+    ({"model": "resnet18", "batch_sizes": [1] * 100, "repeats": 20}, 400, "bad_request"),  # 371 bytes, 96 s of CPU
+    ({"model": "resnet18", "batch_sizes": [1, 1]}, 400, "bad_request"),
+    ({"model": "resnet18", "repeats": 11}, 400, "bad_request"),
+    ({"model": "resnet18", "batch_sizes": [2000]}, 413, "batch_too_large"),
+    ({"model": "resnet18", "batch_sizes": [1024, 1023, 1022, 1021], "repeats": 10}, 413, "profile_too_large"),
     ({"model": "vit_b_16", "input_size": 33}, 400, "bad_input_size"),
 ])
 def test_bad_profile_request(data, body, status, code) -> None:
@@ -294,6 +299,7 @@ def test_an_image_too_large_to_decode_within_the_budget_is_refused_before_decodi
     data.store.put("bomb/huge.png", _png_claiming(30_000, 30_000))  # 2.7 GB: PIL calls it a bomb
     client = _app(data, capacity=200 * MB).test_client()
     error = _assert_error(_extract(client, [data.keys[0], "bomb/big.png"]), 413, "exceeds_memory")
-    assert "decodes to 108000000 bytes" in error["message"]
-    _assert_error(_extract(client, [data.keys[0], "bomb/huge.png"]), 413, "exceeds_memory")
+    assert "takes 324" in error["message"]  # 36 Mpx at 9 bytes a pixel: a 16-bit decode and its 8-bit copy
+    error = _assert_error(_extract(client, [data.keys[0], "bomb/huge.png"]), 413, "image_too_large")
+    assert error["key"] == "bomb/huge.png" and "pixels" in error["message"]
     assert _extract(client, data.keys[:2]).status_code == 200  # still serving
