@@ -70,9 +70,7 @@ class FileStore:
     def get(self, key: str, max_bytes: int | None = None, on_size: SizeCheck | None = None) -> bytes:
         """The object's bytes; over ``max_bytes`` (by its size, or as read) is ObjectTooLargeError."""
         try:
-            with self._path(key).open("rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                return _bounded_read(f, key, size, max_bytes, on_size)
+            f = self._path(key).open("rb")
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise MissingObjectError(key) from None
         except (ValueError, OSError) as exc:
@@ -80,6 +78,8 @@ class FileStore:
             if isinstance(exc, ValueError) or exc.errno == errno.ENAMETOOLONG:
                 raise MissingObjectError(key) from None
             raise
+        with f:
+            return _bounded_read(f, key, os.fstat(f.fileno()).st_size, max_bytes, on_size)
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)

@@ -1,8 +1,10 @@
 """``python -m storage_side --store URL``: serve the storage daemon with a real WSGI server.
 
-gunicorn (one process, gthread workers: the prefix cache and memory budget are per
-process) where it runs; waitress, the portable fallback, elsewhere. Every option is a
-field of ``storage_side.config.DaemonConfig``, documented there.
+waitress by default: its event loop reads each request whole (up to the header and body
+limits, under a timeout) before a worker thread runs it, so slow or stalled clients hold
+no thread, and its own protocol errors (431, 400) are answered as JSON like the app's.
+gunicorn (one process, gthread: the prefix cache and memory budget are per process) on
+request. Every option is a field of ``storage_side.config.DaemonConfig``, documented there.
 """
 
 from __future__ import annotations
@@ -38,11 +40,15 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
         p.add_argument(flag, dest=name, help=option_help(name), **kwargs)
 
     add("--store", "store_url", required=True)
+    add("--dataset-prefix", "dataset_prefixes", action="append", default=[])
     add("--endpoint-url", "endpoint_url")
     add("--host", "host", default=d.host)
     add("--port", "port", type=int, default=d.port)
+    add("--insecure", "insecure", action="store_true", default=d.insecure)
     add("--server", "server", choices=("auto", "gunicorn", "waitress"), default=d.server)
     add("--server-threads", "server_threads", type=int, default=d.server_threads)
+    add("--max-connections", "max_connections", type=int, default=d.max_connections)
+    add("--client-timeout", "client_timeout_s", type=float, default=d.client_timeout_s)
     add("--io-threads", "io_threads", type=int, default=d.io_threads)
     add("--torch-threads", "torch_threads", type=int, default=d.torch_threads)
     add("--compute-dtype", "compute_dtype", choices=("float32", "bfloat16"), default=d.compute_dtype)
@@ -56,6 +62,9 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
     add("--queue-timeout", "queue_timeout_s", type=float, default=d.queue_timeout_s)
     add("--max-keys-per-request", "max_keys_per_request", type=int, default=d.max_keys_per_request)
     add("--max-request-bytes", "max_request_bytes", type=_size, default=d.max_request_bytes)
+    add("--max-request-header-bytes", "max_request_header_bytes", type=_size, default=d.max_request_header_bytes)
+    add("--max-image-pixels", "max_image_pixels", type=int, default=d.max_image_pixels)
+    add("--max-object-bytes", "max_object_bytes", type=_size, default=d.max_object_bytes)
     add("--log-format", "log_format", choices=("text", "json"), default=d.log_format)
     add("--weights-file", "weights_files", type=Path, action="append", default=[])
     p.add_argument("--token-file", type=Path,
@@ -68,11 +77,17 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
     if token_file is not None:
         try:
             a["token"] = token_file.read_text().strip()
-        except OSError as exc:
-            p.error(f"--token-file {token_file}: {exc.strerror}")
+        except (OSError, UnicodeDecodeError) as exc:
+            p.error(f"--token-file {token_file}: {getattr(exc, 'strerror', None) or exc}")
+        if not a["token"]:
+            p.error(f"--token-file {token_file} is empty or blank: put the shared secret in it")
     else:
-        a["token"] = os.environ.get(TOKEN_ENV) or None
+        # Set but blank is a mistake, not a wish for no authentication: DaemonConfig refuses it.
+        a["token"] = os.environ.get(TOKEN_ENV)
+        if a["token"] is not None and not a["token"].strip():
+            p.error(f"${TOKEN_ENV} is set but blank: set the shared secret, or unset it on a loopback --host")
     a["weights_files"] = tuple(a["weights_files"])
+    a["dataset_prefixes"] = tuple(a["dataset_prefixes"])
     try:
         return DaemonConfig(**a)
     except ValueError as exc:
@@ -117,6 +132,11 @@ def serve_gunicorn(app: Flask, config: DaemonConfig) -> None:
             self.cfg.set("threads", config.server_threads)
             self.cfg.set("timeout", 600)  # a large request on a slow CPU is not a hung worker
             self.cfg.set("accesslog", "-")
+            self.cfg.set("worker_connections", config.max_connections)
+            self.cfg.set("keepalive", int(config.client_timeout_s))
+            # gunicorn's default control socket is one path per user, shared by every daemon of
+            # that user; this daemon needs none (SIGTERM stops it), so it opens none.
+            self.cfg.set("control_socket_disable", True)
 
         def load(self) -> Flask:
             return app
@@ -125,9 +145,9 @@ def serve_gunicorn(app: Flask, config: DaemonConfig) -> None:
 
 
 def serve_waitress(app: Flask, config: DaemonConfig) -> None:
-    import waitress
+    from storage_side.serving import waitress_server
 
-    waitress.serve(app, host=config.host, port=config.port, threads=config.server_threads)
+    waitress_server(app, config).run()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,21 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     # Only in the daemon's own process: it changes how the whole process allocates.
     if not return_freed_memory_promptly():
         logging.getLogger(__name__).warning("not glibc: resident memory may exceed what the budget counts")
+    if config.insecure and not config.token:
+        logging.getLogger(__name__).warning("--insecure: serving %s:%d without a token, to anyone who reaches it",
+                                            config.host, config.port)
     try:
         app = create_app(config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = config.server
-    if server == "auto":
-        try:
-            import fcntl  # noqa: F401  gunicorn needs a POSIX system
-
-            import gunicorn  # noqa: F401
-
-            server = "gunicorn"
-        except ImportError:
-            server = "waitress"
+    server = "waitress" if config.server == "auto" else config.server
     logging.getLogger(__name__).info("serving %s on http://%s:%d with %s", config.store_url, config.host,
                                      config.port, server)
     (serve_gunicorn if server == "gunicorn" else serve_waitress)(app, config)
