@@ -38,6 +38,7 @@ class Extracted:
     keys: tuple[str, ...]
     metadata: dict[str, object]
     wire_bytes: int  # bytes of the response body
+    body_started: float  # perf_counter when the response headers arrived
     body_s: float  # from the response headers to its last byte: the body's time on the link
 
 
@@ -110,7 +111,7 @@ class StorageClient:
         features, keys, metadata = decode_features(blob)
         if keys != request.keys:
             raise StorageNodeError(self.url, response.status_code, "bad_response", "features for other keys")
-        return Extracted(features, keys, metadata, len(blob), body_s)
+        return Extracted(features, keys, metadata, len(blob), started, body_s)
 
 
 def _read_body(response: requests.Response) -> bytearray:

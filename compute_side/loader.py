@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import groupby
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -29,12 +29,39 @@ class Source(Protocol):
     def fetch(self, samples: Sequence[Sample], epoch: int) -> Part: ...
 
 
+@runtime_checkable
+class Steering(Protocol):
+    """Chooses the source of each batch as it is sent, and hears every reply."""
+
+    settled: bool  # false: send nothing more until the batches in flight have arrived
+
+    def pick(self, samples: int) -> Source: ...
+
+    def arrived(self, part: Part, samples: int) -> None: ...
+
+
+class Fixed:
+    """One source for every batch."""
+
+    settled = True
+
+    def __init__(self, source: Source) -> None:
+        self.source = source
+
+    def pick(self, samples: int) -> Source:
+        return self.source
+
+    def arrived(self, part: Part, samples: int) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class Batch:
     features: torch.Tensor
     labels: torch.Tensor
     keys: tuple[str, ...]
     split: int  # the stage whose input ``features`` are (ALL_IN_COMPUTE: raw objects, stage 0)
+    dtype: str  # the wire dtype they came in
     wire_bytes: int  # bytes received for this batch
     raw_bytes: int  # bytes of the encoded images it covers
     requests: int
@@ -77,35 +104,44 @@ class PipelinedLoader:
     """Yields batches in order while up to ``depth`` requests are in flight.
 
     ``depth`` 0 fetches each batch only when the trainer asks for it: no overlap, the
-    baseline of the overlap benchmark. ``source`` may be replaced between batches.
+    baseline of the overlap benchmark. ``source`` is one source, or a ``Steering`` that
+    picks each batch's source as it is sent (all of a batch's requests go to it).
     """
 
-    def __init__(self, source: Source, request_size: int = 32, depth: int = 4) -> None:
-        self.source = source
+    def __init__(self, source: Source | Steering, request_size: int = 32, depth: int = 4) -> None:
+        self.steering = source if isinstance(source, Steering) else Fixed(source)
         self.request_size = request_size
         self.depth = depth
 
     def epoch(self, batches: Sequence[Sequence[Sample]], epoch: int) -> Iterator[Batch]:
         plans = [requests_of(batch, self.request_size) for batch in batches]
+        steering = self.steering
         if self.depth == 0:
             for batch, plan in zip(batches, plans):
                 started = time.perf_counter()
-                parts = [self.source.fetch(chunk, epoch) for chunk in plan]
+                source = steering.pick(len(batch))
+                parts = []
+                for chunk in plan:
+                    parts.append(source.fetch(chunk, epoch))
+                    steering.arrived(parts[-1], len(chunk))
                 yield _assemble(batch, parts, time.perf_counter() - started)
             return
-        queue = ((i, chunk) for i, plan in enumerate(plans) for chunk in plan)
-        in_flight: deque[tuple[int, Future[Part]]] = deque()
-        # A batch's requests all go to the source current when its first one left, so a
-        # switch of source (re-planning) takes effect at a batch boundary.
+        queue = [(i, chunk) for i, plan in enumerate(plans) for chunk in plan]
+        queue.reverse()  # popped from the end
+        in_flight: deque[tuple[int, Future[Part], int]] = deque()
+        # A batch's requests all go to the source picked when its first one left, so a
+        # switch of source takes effect at a batch boundary.
         batch_source: dict[int, Source] = {}
         with ThreadPoolExecutor(self.depth, thread_name_prefix="fetch") as pool:
             def top_up() -> None:
-                while len(in_flight) < self.depth:
-                    nxt = next(queue, None)
-                    if nxt is None:
-                        return
-                    source = batch_source.setdefault(nxt[0], self.source)
-                    in_flight.append((nxt[0], pool.submit(source.fetch, nxt[1], epoch)))
+                while len(in_flight) < self.depth and queue:
+                    index, chunk = queue[-1]
+                    if not steering.settled and in_flight and index != in_flight[0][0]:
+                        return  # unsettled: only the batch in flight until it has arrived
+                    queue.pop()
+                    if index not in batch_source:
+                        batch_source[index] = steering.pick(len(batches[index]))
+                    in_flight.append((index, pool.submit(batch_source[index].fetch, chunk, epoch), len(chunk)))
 
             try:
                 for index, batch in enumerate(batches):
@@ -113,11 +149,13 @@ class PipelinedLoader:
                     started = time.perf_counter()
                     parts = []
                     while in_flight and in_flight[0][0] == index:
-                        parts.append(in_flight.popleft()[1].result())
+                        _, future, samples = in_flight.popleft()
+                        parts.append(future.result())
+                        steering.arrived(parts[-1], samples)
                         top_up()
                     yield _assemble(batch, parts, time.perf_counter() - started)
             finally:
-                for _, future in in_flight:
+                for _, future, _ in in_flight:
                     future.cancel()
 
 
@@ -131,6 +169,7 @@ def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float) -> Batc
         labels=torch.tensor([s.label for s in batch]),
         keys=tuple(s.key for s in batch),
         split=parts[0].split,
+        dtype=parts[0].dtype,
         wire_bytes=sum(p.wire_bytes for p in parts),
         raw_bytes=sum(s.size for s in batch),
         requests=len(parts),

@@ -17,7 +17,7 @@ import torch
 
 from compute_side.client import StorageClient, StorageNodeError
 from hapi.datasets import Sample, read_samples
-from hapi.planner import ALL_IN_COMPUTE
+from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner, Reply
 from hapi.store import ObjectStore
 from hapi.transforms import TransformSpec, preprocess
 from hapi.wire import ExtractRequest
@@ -31,8 +31,10 @@ class Part:
 
     features: torch.Tensor
     split: int  # the stage whose input these are; ALL_IN_COMPUTE: stage 0's, from raw objects
+    dtype: str  # the wire dtype they crossed the network in (all-in-compute: float32 after decode)
     wire_bytes: int  # bytes that crossed the storage-compute network
     elapsed_ms: float  # wall time of the request, as the compute tier saw it
+    link_interval: tuple[float, float]  # perf_counter times its bytes were on the link
     timings: dict[str, float] = field(default_factory=dict)  # where the source's time went, in ms
 
 
@@ -66,8 +68,9 @@ class PushdownSource:
                     raise
                 log.warning("%s; retrying on another node", exc)
                 continue
-            return Part(extracted.features, request.split, extracted.wire_bytes,
-                        (time.perf_counter() - started) * 1e3, dict(extracted.metadata.get("timings", {})))
+            body = (extracted.body_started, extracted.body_started + extracted.body_s)
+            return Part(extracted.features, request.split, request.dtype, extracted.wire_bytes,
+                        (time.perf_counter() - started) * 1e3, body, dict(extracted.metadata.get("timings", {})))
         raise AssertionError("unreachable: the loop returns or raises")
 
 
@@ -97,4 +100,50 @@ class RawObjectSource:
         inputs = list(self.pool.map(lambda kb: preprocess(kb[1], kb[0], self.transform, epoch), zip(keys, blobs)))
         elapsed_ms = (time.perf_counter() - started) * 1e3
         timings = {"fetch_ms": (fetched - started) * 1e3, "decode_ms": elapsed_ms - (fetched - started) * 1e3}
-        return Part(torch.stack(inputs), ALL_IN_COMPUTE, sum(len(b) for b in blobs), elapsed_ms, timings)
+        return Part(torch.stack(inputs), ALL_IN_COMPUTE, "float32", sum(len(b) for b in blobs), elapsed_ms,
+                    (started, fetched), timings)
+
+
+FeatureSource = PushdownSource | RawObjectSource
+
+
+class Sources:
+    """The (train, validation) sources of each candidate, built once and kept."""
+
+    def __init__(self, clients: Sequence[StorageClient], store: ObjectStore, template: ExtractRequest,
+                 eval_transform: TransformSpec) -> None:
+        self.clients, self.store, self.template, self.eval_transform = list(clients), store, template, eval_transform
+        self._built: dict[tuple[int, str], tuple[FeatureSource, FeatureSource]] = {}
+
+    def build(self, split: int, dtype: str) -> tuple[FeatureSource, FeatureSource]:
+        if (split, dtype) not in self._built:
+            # Validation never augments: the same centre crop on every run.
+            if split == ALL_IN_COMPUTE:
+                pair = (RawObjectSource(self.store, self.template.transform),
+                        RawObjectSource(self.store, self.eval_transform))
+            else:
+                train = replace(self.template, split=split, dtype=dtype)
+                pair = (PushdownSource(self.clients, train),
+                        PushdownSource(self.clients, replace(train, transform=self.eval_transform)))
+            self._built[(split, dtype)] = pair
+        return self._built[(split, dtype)]
+
+
+class Planned:
+    """Steers a loader by the online planner: each batch goes to the source of the
+    candidate the planner picks for it, and every reply teaches the planner."""
+
+    def __init__(self, planner: OnlinePlanner, sources: Sources, validation: bool = False) -> None:
+        self.planner, self.sources, self.validation = planner, sources, validation
+
+    @property
+    def settled(self) -> bool:
+        return self.planner.settled
+
+    def pick(self, samples: int) -> FeatureSource:
+        candidate = self.planner.pick(samples)
+        return self.sources.build(candidate.split, candidate.dtype)[self.validation]
+
+    def arrived(self, part: Part, samples: int) -> None:
+        self.planner.arrived(Reply(part.split, part.dtype, samples, part.wire_bytes, part.link_interval,
+                                   part.timings))

@@ -1,80 +1,69 @@
-"""Where to cut: a cost model of the overlapped pipeline, and the choice it implies.
+"""Where to cut the network: a cost model of the pipeline, and the policy that runs it
+online, on the job's own batches.
 
-Storage compute, transfer and compute-side training work on different batches at the
-same time, so in steady state an iteration costs its slowest stage, not their sum; the
-first batch pays for all three (fill) before the pipeline runs. Per sample:
+Every split trains the same head (frozen stages run in eval mode on both tiers, and the
+optimiser steps on the user's batch whatever the split), so a batch extracted at any
+candidate is a real training batch. Planning therefore has no probing phase. The run
+starts at once at the candidate that is safest while the link is unknown, sends that
+first batch alone, learns the link, the node and this tier from its reply and its
+training step, and from then on keeps the candidate the calibrated model (or a
+measurement) says is fastest. It moves only when the time saved over the rest of the
+run exceeds what the move costs.
 
-    storage(s)  = the node's pace measured with requests overlapping at an anchor split a,
-                  + forward of stages [0, s) - forward of stages [0, a) on the storage tier
-                  (unmeasured: fetch + decode + forward of [0, s), each timed alone)
-    transfer(s) = bytes of stage s-1's output in the wire dtype / bandwidth
-    compute(s)  = forward of frozen stages [s, freeze) + train step of [freeze, end)
-                  + a request's fixed cost / samples per request
-                  (all-in-compute: storage = this tier's reads across the link; compute =
-                  their client CPU + decode + every frozen stage + train step)
+The cost model, per sample (a candidate is a split s, stages [0, s) on the storage node,
+or all-in-compute, which ships the raw objects):
+
+    storage(s)  = node_fixed + node_scale x forward[0, s)      the node's decode, I/O, encode
+    transfer(s) = bytes of stage s-1's output / bandwidth       (all-in-compute: the objects)
+    compute(s)  = compute_scale x (forward[s, freeze) + train)  (all-in-compute: + decode)
     pace(s)     = max(storage, transfer, compute) + loss x (sum - max)
-    epoch(s)    = N x pace(s) + B x (sum - max)
 
-Splits whose compute-side memory for one batch exceeds the budget are dropped. Where the
-ranking is close, the model only shortlists: each contender is tried, a short training
-run with its pipeline full, and the pace it measured (``trial_paces``) replaces the
-model's for it; the choice is then made among the tried (and link-paced) ones. A twin of a
-tried candidate (the same stages: a ReLU's split beside its convolution's) is not tried. The
-``loss`` is the share of the other stages' time that the trials show was not hidden behind
-the bottleneck: tiers that share CPUs, or a link whose transfers cost both ends CPU, overlap
-less than the max says, and a split with small stages beside its bottleneck loses less. It
-is measured per bottleneck tier, for the loss depends on which tier waits: a compute-bound
-pipeline pays its client's work on the training core, while the node's anchored pace
-already includes its own overlap (in sweep U, alexnet's compute-bound trials at 100 Mbit/s
-lost a third of their other stages; charged as much, the storage-bound split that trained in
-16% less time than the choice was never tried). A tier no trial has shown as the bottleneck
-keeps 0: the max, an optimistic bound, so that a candidate it flatters is tried rather than
-never looked at.
+The stages overlap (the next batches are read while this one trains), so the slowest
+sets the pace; ``loss`` is the share of the others that the run shows is not hidden.
+``forward`` and ``train`` are this host's measured profile (``hapi.measure``): a stage's
+share of the prefix is the model's, while the speed of each tier (the scales), the
+bandwidth and the loss are learned from the run's replies and steps.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 
-from hapi.profile import Profile
+from hapi.measure import HostProfile
 from hapi.wire import WIRE_DTYPES
 
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
 FLOAT32_BYTES = 4
-# Candidates predicted within this factor of the best are tried before the choice (at most
-# TRIALS of them a round, in rounds while the budget lasts: a contender tried slower can
-# bring another within reach), unless the link clearly paces them. Each gets TRIAL_READINGS
-# readings, taken in turn with the round's others (A B B A: a steady drift of the machine in
-# the meantime falls on all of them alike). At most TRIAL_SETS sets of readings, a playoff's
-# included: eight contenders, for the model can misread a whole family of splits alike (in
-# sweep W, alexnet's six trials at 25 and 100 Mbit/s all read 50-90% above the model's max,
-# which put the split that the choice trained 19-20% slower than seventh in line).
-TRIAL_WITHIN = 1.25
-TRIALS = 2
-TRIAL_READINGS = 2
-TRIAL_SETS = 12
-# A trial times at least TRIAL_ITERATIONS once its pipeline is full, and at least
-# TRIAL_SECONDS by the model's pace: windows of 1-2 s misread paces by 10-20% (sweep M).
-TRIAL_ITERATIONS = 4
-TRIAL_SECONDS = 3.0
-# Sized by a prediction, a trial stops once it runs this many times slower than predicted (its
-# pace so far stands): a candidate that slow has lost, and a wrong model cannot stretch a trial.
-TRIAL_OVERRUN = 5.0
-TRIAL_SHARE = 0.1  # the trials read at most this share of the samples the run will train
-# The two fastest tried candidates, when this close, were maybe read in different rounds,
-# minutes apart, while the machine drifted: they are read again side by side (a playoff),
-# PLAYOFF_READINGS each: in sweep N, playoffs of 2 readings each, taken in a noisy spell,
-# overturned the rounds' order twice, and the rounds had it right (the choice confirmed 8.7% and
-# 13.6% slower than the rounds' leader).
-PLAYOFF_WITHIN = 1.1
-PLAYOFF_READINGS = 4
-# Candidates whose every stage is within this share of the slowest of another's are twins (a
-# ReLU's split beside its convolution's): one trial speaks for both, and the budget goes
-# further (in sweep V, alexnet at 25 Mbit/s spent its six trials on three pairs of twins and
-# never tried the split that trained 19% faster than its choice).
-TWIN_WITHIN = 0.02
-LINK_BOUND = 1.5  # transfer / the slowest other stage, above which the link sets a candidate's pace
+# A predicted gain smaller than this share is within the cost model's error (its
+# prediction is typically off by 4%, one in ten by more than 11%), so it moves nothing;
+# a candidate predicted within it of the incumbent is one the model cannot separate.
+MODEL_ERROR = 0.1
+# At most this share of a run's samples goes to candidates explored to separate them.
+EXPLORE_SHARE = 0.05
+# The range of links the first choice must be safe on before any is measured, bytes/s:
+# 1 Mbit/s to 10 Gbit/s.
+LINKS = tuple(125e3 * 10 ** (i / 3) for i in range(13))
+RECENT = 8  # observations a measurement is the median of: recent enough to follow drift
+# A pace measured at a candidate stands while the link stays within this share of what it
+# was then (shaped and shared links read within about 10% from one window to the next);
+# beyond it the link has changed, and the model prices the candidate again.
+LINK_DRIFT = 0.25
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """What the planner knows of the deployment; learned as the run goes."""
+
+    raw_bytes: float  # mean encoded object size per sample
+    bandwidth: float | None = None  # bytes/s between the tiers; None until measured
+    node_scale: float = 1.0  # the node's forward time per stage / this host's
+    node_fixed_ms: float | None = None  # the node's work per sample beside the prefix; None: this host's decode
+    compute_scale: float = 1.0  # this tier's training-time work / its profile
+    overlap_loss: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -85,18 +74,19 @@ class Candidate:
     storage_ms: float  # per sample
     transfer_ms: float
     compute_ms: float
-    compute_memory: float  # bytes for one batch on the compute tier
-    steady_ms: float  # per sample in steady state: the trial's pace, or the model's
-    epoch_s: float
-    feasible: bool
-    trial_ms: float | None = None  # per sample, the pace a trial run measured
+    pace_ms: float  # per sample, in steady state
+    feasible: bool = True  # one batch fits the compute tier's memory
 
     @property
-    def link_paced(self) -> bool:
-        """The link clearly sets the pace: the model has it from the probe, no trial needed.
-        All-in-compute's reads cross the link, so only its compute stage is another."""
-        others = [self.compute_ms] if self.split == ALL_IN_COMPUTE else [self.storage_ms, self.compute_ms]
-        return self.transfer_ms > LINK_BOUND * max(others)
+    def key(self) -> tuple[int, str]:
+        return self.split, self.dtype
+
+    @property
+    def fill_ms(self) -> float:
+        """Per sample, what the first batch after a (re)start waits beyond the pace: its
+        stages run one after the other before the pipeline overlaps them."""
+        stages = (self.storage_ms, self.transfer_ms, self.compute_ms)
+        return sum(stages) - max(stages)
 
     @property
     def bottleneck(self) -> str:
@@ -104,171 +94,284 @@ class Candidate:
         return max(costs, key=costs.get)
 
     @property
-    def slack(self) -> float:
-        """How far the next slowest stage stays below the bottleneck (0: they tie). A pipeline
-        of near-equal stages runs slower than its slowest one, each waiting on the other's
-        jitter. All-in-compute's reads cross the link: its reads and link are one stage."""
-        stages = sorted([max(self.storage_ms, self.transfer_ms), self.compute_ms] if self.split == ALL_IN_COMPUTE
-                        else [self.storage_ms, self.transfer_ms, self.compute_ms])
-        return 1 - stages[-2] / stages[-1] if stages[-1] else 0.0
-
-    @property
     def label(self) -> str:
         return "all-in-compute" if self.split == ALL_IN_COMPUTE else f"split {self.split} {self.dtype}"
 
 
-def storage_parts_ms(profile: Profile, split: int) -> float:
-    """The storage node's work per sample for a split, from its parts timed one at a time."""
-    storage = profile.storage
-    return storage.fetch_ms + storage.decode_ms + sum(storage.forward_ms[:split])
+def price(profile: HostProfile, freeze: int, conditions: Conditions, split: int, dtype: str,
+          batch_size: int, compute_memory_budget: float = math.inf) -> Candidate:
+    """The cost model's candidate at ``split`` (see the module's docstring)."""
+    forward = profile.forward_ms
+    bandwidth = conditions.bandwidth or math.inf
+    compute_ms = conditions.compute_scale * (sum(forward[max(split, 0):freeze]) + profile.train_ms)
+    if split == ALL_IN_COMPUTE:
+        per_sample = conditions.raw_bytes
+        storage_ms = 0.0  # the store serves the objects; the link and this tier's decode are the work
+        compute_ms += conditions.compute_scale * profile.decode_ms
+    else:
+        elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
+        per_sample = elements * WIRE_DTYPES[dtype].itemsize
+        fixed = profile.decode_ms if conditions.node_fixed_ms is None else conditions.node_fixed_ms
+        storage_ms = fixed + conditions.node_scale * sum(forward[:split])
+    transfer_ms = per_sample / bandwidth * 1e3
+    stages = (storage_ms, transfer_ms, compute_ms)
+    pace_ms = max(stages) + conditions.overlap_loss * (sum(stages) - max(stages))
+    memory = compute_memory(profile, freeze, split, batch_size)
+    return Candidate(split, dtype, per_sample, storage_ms, transfer_ms, compute_ms, pace_ms,
+                     memory <= compute_memory_budget)
 
 
-def storage_work_ms(profile: Profile, split: int) -> float:
-    """The storage node's time per sample for a split with requests overlapping: its pace at
-    the anchor, plus the difference in forward time. The forward times repeat closely from
-    run to run; the fetch timed alone does not (and overlaps other work in training), so it
-    enters only through the anchor's pace. At least the decode and forward remain."""
-    if profile.node_anchor is None:
-        return storage_parts_ms(profile, split)
-    anchor, pace_ms = profile.node_anchor
-    forward = profile.storage.forward_ms
-    return max(pace_ms - sum(forward[:anchor]), profile.storage.decode_ms) + sum(forward[:split])
-
-
-def _compute_memory(profile: Profile, split: int, batch_size: int) -> float:
+def compute_memory(profile: HostProfile, freeze: int, split: int, batch_size: int) -> float:
     """Peak bytes for one batch on the compute tier: frozen stages keep only a consecutive
     (input, output) pair alive; trainable ones keep every activation, and gradients double it."""
     elements = (3 * profile.input_size ** 2,) + profile.output_elements  # [i]: stage i's input
-    freeze = profile.freeze_index
     frozen = max((elements[i] + elements[i + 1] for i in range(max(split, 0), freeze)), default=0)
     trainable = elements[freeze] + 2 * sum(elements[freeze + 1:])
     return batch_size * FLOAT32_BYTES * max(frozen, trainable)
 
 
-def evaluate(profile: Profile, split: int, dtype: str, batch_size: int, samples: int,
-             compute_memory_budget: float = float("inf"), request_size: int | None = None,
-             overlap_loss: float = 0.0) -> Candidate:
-    """Predicted cost of one candidate (requests of ``request_size`` samples, default the
-    batch; ``overlap_loss`` of the non-bottleneck stages not hidden, see ``overlap_losses``)."""
-    request_size = request_size or batch_size
-    storage, compute = profile.storage, profile.compute
-    frozen_here = sum(compute.forward_ms[max(split, 0): profile.freeze_index])
-    # The storage host serves the objects in every mode; a request's fixed cost is paid on
-    # the compute tier (client), spread over the samples of a request.
-    if split == ALL_IN_COMPUTE:
-        per_sample = profile.raw_bytes
-        # The objects are read from the compute tier, across the link: slower than the
-        # node's reads next to the store (a round trip and the client's work per object).
-        storage_ms = compute.fetch_ms or storage.fetch_ms
-        compute_ms = compute.fetch_cpu_ms + compute.decode_ms + frozen_here + compute.train_ms
-    else:
-        elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
-        per_sample = elements * WIRE_DTYPES[dtype].itemsize
-        storage_ms = storage_work_ms(profile, split)
-        compute_ms = frozen_here + compute.train_ms + storage.request_ms / request_size
-    transfer_ms = per_sample / profile.bandwidth * 1e3
-    stages = (storage_ms, transfer_ms, compute_ms)
-    others = sum(stages) - max(stages)
-    trial_ms = profile.trial_pace(split, dtype)
-    steady_ms = max(stages) + overlap_loss * others if trial_ms is None else trial_ms
-    epoch_ms = samples * steady_ms + min(batch_size, samples) * others
-    memory = _compute_memory(profile, split, batch_size)
-    return Candidate(split, dtype, per_sample, storage_ms, transfer_ms, compute_ms, memory, steady_ms,
-                     epoch_ms / 1e3, memory <= compute_memory_budget, trial_ms)
+def candidates(profile: HostProfile, freeze: int, conditions: Conditions, batch_size: int,
+               dtypes: Iterable[str] = ("float32",), compute_memory_budget: float = math.inf) -> list[Candidate]:
+    """All-in-compute, and every split up to the freeze index in every allowed wire dtype."""
+    keys = [(ALL_IN_COMPUTE, "float32")] + [(s, d) for s in range(freeze + 1) for d in dtypes]
+    return [price(profile, freeze, conditions, s, d, batch_size, compute_memory_budget) for s, d in keys]
 
 
-def overlap_losses(tried: list[Candidate]) -> dict[str, float]:
-    """Per bottleneck tier, the share of the non-bottleneck stages' time that the trials of
-    ``tried`` with that bottleneck did not hide (their median, within [0, 1]): the model's
-    max assumes the stages overlap perfectly. Tiers without a trial are absent (no loss)."""
-    losses: dict[str, list[float]] = {}
-    for c in tried:
-        stages = (c.storage_ms, c.transfer_ms, c.compute_ms)
-        if c.trial_ms is not None and sum(stages) > max(stages):
-            losses.setdefault(c.bottleneck, []).append((c.trial_ms - max(stages)) / (sum(stages) - max(stages)))
-    return {tier: min(max(statistics.median(shares), 0.0), 1.0) for tier, shares in losses.items()}
-
-
-def candidates(profile: Profile, batch_size: int, samples: int, dtypes: tuple[str, ...] = ("float32",),
-               compute_memory_budget: float = float("inf"), request_size: int | None = None) -> list[Candidate]:
-    """Every split up to the freeze index in every allowed wire dtype, and all-in-compute;
-    those not tried are charged the overlap loss the tried ones with their bottleneck measured."""
-    keys = [(ALL_IN_COMPUTE, "float32")] + [(split, dtype) for split in range(profile.freeze_index + 1)
-                                             for dtype in dtypes]
-    unpriced = [evaluate(profile, split, dtype, batch_size, samples, compute_memory_budget, request_size)
-                for split, dtype in keys]
-    losses = overlap_losses(unpriced)
-    return [evaluate(profile, c.split, c.dtype, batch_size, samples, compute_memory_budget, request_size,
-                     losses.get(c.bottleneck, 0.0)) for c in unpriced]
-
-
-def contenders(options: list[Candidate]) -> list[Candidate]:
-    """The candidates worth a trial run before choosing: the fastest predicted, within
-    ``TRIAL_WITHIN`` of the best, not yet tried, whose pace the link does not clearly set,
-    and no twin of one tried or picked before it."""
-    feasible = [c for c in options if c.feasible]
-    if not feasible:
-        return []
-    best = min(c.epoch_s for c in feasible)
-    near = sorted((c for c in feasible if c.epoch_s <= best * TRIAL_WITHIN and c.trial_ms is None
-                   and not c.link_paced), key=lambda c: c.epoch_s)
-    seen = [c for c in feasible if c.trial_ms is not None]
-    picked = []
-    for c in near:
-        if len(picked) < TRIALS and not any(twins(c, other) for other in seen):
-            picked.append(c)
-            seen.append(c)
-    return picked
-
-
-def twins(a: Candidate, b: Candidate) -> bool:
-    """Whether two candidates run at one pace: the same kind, every stage within
-    ``TWIN_WITHIN`` of the slowest of either."""
-    stages_a, stages_b = (a.storage_ms, a.transfer_ms, a.compute_ms), (b.storage_ms, b.transfer_ms, b.compute_ms)
-    scale = max(stages_a + stages_b)
-    return ((a.split == ALL_IN_COMPUTE) == (b.split == ALL_IN_COMPUTE)
-            and all(abs(x - y) <= TWIN_WITHIN * scale for x, y in zip(stages_a, stages_b)))
-
-
-def choose(options: list[Candidate]) -> Candidate:
-    """The fastest feasible candidate; among near-ties (1%), the one whose stages are least
-    balanced (most slack), then the one that moves fewer bytes. Once trials have run, only
-    the tried candidates and those the link paces are chosen from: the model flatters what
-    was not tried (alexnet's trials at 25 Mbit/s read 13-51% slower than its max), and a
-    measured pace beats a predicted one."""
+def safest(options: list[Candidate], profile: HostProfile, freeze: int, conditions: Conditions,
+           batch_size: int, compute_memory_budget: float = math.inf) -> Candidate:
+    """The candidate whose worst slowdown against the best, over every link in ``LINKS``,
+    is least (minimax regret): the choice to start with while the link is unknown. Ties go
+    to the one that moves fewer bytes."""
     feasible = [c for c in options if c.feasible]
     if not feasible:
         raise ValueError("no split fits the compute tier's memory; lower --batch-size")
-    if any(c.trial_ms is not None for c in feasible):
-        feasible = [c for c in feasible if c.trial_ms is not None or c.link_paced]
-    best = min(c.epoch_s for c in feasible)
-    near_ties = [c for c in feasible if c.epoch_s <= best * 1.01]
-    return min(near_ties, key=lambda c: (-c.slack, c.bytes_per_sample, c.epoch_s))
+    worst = dict.fromkeys((c.key for c in feasible), 1.0)
+    for bandwidth in LINKS:
+        at = replace(conditions, bandwidth=bandwidth)
+        paces = {c.key: price(profile, freeze, at, c.split, c.dtype, batch_size, compute_memory_budget).pace_ms
+                 for c in feasible}
+        best = min(paces.values())
+        for key, pace in paces.items():
+            worst[key] = max(worst[key], pace / best)
+    return min(feasible, key=lambda c: (round(worst[c.key], 2), c.bytes_per_sample))
 
 
-def explain(profile: Profile, options: list[Candidate], chosen: Candidate) -> str:
-    """The whole table of candidates, one line each; a trial's pace is shown beside the model's stages."""
-    lines = [f"{'candidate':22s} {'after stage':18s} {'KB/sample':>10s} {'storage':>9s} {'network':>9s} "
-             f"{'compute':>9s} {'trial':>9s} {'epoch s':>9s}  bottleneck   (ms per sample)"]
-    for c in options:
-        stage = "-" if c.split <= 0 else profile.stage_names[c.split - 1]
-        mark = "  <- chosen" if c == chosen else ("  (out of memory)" if not c.feasible else "")
-        trial = "-" if c.trial_ms is None else f"{c.trial_ms:.2f}"
-        lines.append(f"{c.label:22s} {stage:18s} {c.bytes_per_sample / 1e3:10.1f} {c.storage_ms:9.2f} "
-                     f"{c.transfer_ms:9.2f} {c.compute_ms:9.2f} {trial:>9s} {c.epoch_s:9.1f}  {c.bottleneck:10s}{mark}")
-    return "\n".join(lines)
+@dataclass
+class _Measured:
+    """A candidate's wall pace from the run, per sample, with the bandwidth it was read at."""
+
+    paces: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    bandwidth: float | None = None
+
+    @property
+    def pace_ms(self) -> float:
+        return statistics.median(self.paces)
 
 
-def summary(profile: Profile, chosen: Candidate) -> str:
-    """The choice in one line: split, predicted stage times, byte reduction."""
-    reduction = profile.raw_bytes / chosen.bytes_per_sample
-    where = chosen.label if chosen.split <= 0 else f"{chosen.label} (after {profile.stage_names[chosen.split - 1]})"
-    return (f"planner: {where}; predicted per sample storage {chosen.storage_ms:.2f} ms, network "
-            f"{chosen.transfer_ms:.2f} ms, compute {chosen.compute_ms:.2f} ms ({chosen.bottleneck}-bound)"
-            + ("" if chosen.trial_ms is None else f", tried at {chosen.trial_ms:.2f} ms")
-            + f"; {bytes_versus_raw(reduction)} than the raw objects")
+@dataclass(frozen=True)
+class Reply:
+    """What one reply tells the planner (a request's part of a batch, as it arrived)."""
+
+    split: int
+    dtype: str
+    samples: int
+    wire_bytes: int
+    link_interval: tuple[float, float]  # perf_counter times its bytes were on the link
+    timings: dict[str, float]  # the node's own timings (pushdown) or the reads' (all-in-compute)
 
 
-def bytes_versus_raw(reduction: float) -> str:
-    """Raw bytes / moved bytes in words; a fast link may make moving more bytes the better plan."""
-    return f"{reduction:.1f}x fewer bytes" if reduction >= 1 else f"{1 / reduction:.1f}x more bytes"
+class OnlinePlanner:
+    """Chooses the candidate for each batch the loader sends, from what the run measured.
+
+    The loader calls ``pick()`` before sending a batch, ``arrived()`` with each reply;
+    the training loop calls ``trained()`` after each step. Until the first batch has
+    arrived (``settled`` false), the loader sends no other: the first reply measures the
+    link before the pipeline commits to a candidate.
+    """
+
+    def __init__(self, profile: HostProfile, freeze: int, batch_size: int, run_samples: int, raw_bytes: float,
+                 dtypes: tuple[str, ...] = ("float32",), batches_in_flight: int = 1,
+                 compute_memory_budget: float = math.inf) -> None:
+        self.profile, self.freeze, self.batch_size = profile, freeze, batch_size
+        self.dtypes, self.memory_budget = dtypes, compute_memory_budget
+        self.batches_in_flight = batches_in_flight
+        self.conditions = Conditions(raw_bytes)
+        self.run_samples = run_samples  # validation included
+        self.remaining = run_samples  # samples the run has yet to send
+        self.explore_left = EXPLORE_SHARE * run_samples
+        self.current = safest(self.options(), profile, freeze, self.conditions, batch_size, compute_memory_budget)
+        self.first = self.current
+        self.settled = False
+        self.switches: list[tuple[int, Candidate, str]] = []  # (samples sent before it, candidate, why)
+        self._exploring: tuple[Candidate, int] | None = None  # (candidate, batches still to send)
+        self._explored: set[tuple[int, str]] = set()
+        self._measured: dict[tuple[int, str], _Measured] = {}
+        self._links: deque[tuple[float, float, int]] = deque(maxlen=RECENT)
+        self._node_scales: deque[float] = deque(maxlen=RECENT)
+        self._node_fixed: deque[float] = deque(maxlen=RECENT)
+        self._compute_scales: deque[float] = deque(maxlen=RECENT)
+        self._losses: deque[float] = deque(maxlen=RECENT)
+        self._previous_key: tuple[int, str] | None = None
+
+    def options(self) -> list[Candidate]:
+        return candidates(self.profile, self.freeze, self.conditions, self.batch_size, self.dtypes, self.memory_budget)
+
+    def priced(self, c: Candidate) -> Candidate:
+        return price(self.profile, self.freeze, self.conditions, c.split, c.dtype, self.batch_size, self.memory_budget)
+
+    # -- what the run measured -------------------------------------------------------
+
+    def arrived(self, reply: Reply) -> None:
+        """Learn the link and the node from one reply."""
+        self._links.append((*reply.link_interval, reply.wire_bytes))
+        bandwidth = _link_rate(self._links)
+        if reply.split != ALL_IN_COMPUTE:
+            t = reply.timings
+            forward = t.get("forward_ms", 0.0) / reply.samples
+            # The next request's objects are fetched while this one's prefix runs: the slower
+            # of the two paces the node; a wait behind other jobs makes it a slower node.
+            turn = t.get("decode_wait_ms", 0.0) + t.get("forward_ms", 0.0)
+            busy = (max(t.get("fetch_ms", 0.0), turn) + t.get("encode_ms", 0.0)
+                    + t.get("shared_wait_ms", 0.0)) / reply.samples
+            prefix_ms = sum(self.profile.forward_ms[:reply.split])
+            if prefix_ms > 0 and forward > 0:
+                self._node_scales.append(forward / prefix_ms)
+            self._node_fixed.append(max(busy - forward, 0.0))
+        self.conditions = replace(
+            self.conditions, bandwidth=bandwidth,
+            node_scale=_median(self._node_scales, self.conditions.node_scale),
+            node_fixed_ms=_median(self._node_fixed, self.conditions.node_fixed_ms))
+        self.settled = True
+
+    def trained(self, split: int, dtype: str, samples: int, wait_s: float, compute_s: float) -> None:
+        """Learn this tier's speed, the pipeline's overlap and the candidate's wall pace
+        from one training step (its wait for data and its compute)."""
+        key = (split, dtype)
+        profiled = self.profile.train_ms + sum(self.profile.forward_ms[max(split, 0):self.freeze])
+        if profiled > 0 and samples > 1:  # a one-sample step runs BatchNorm otherwise: not the pace
+            self._compute_scales.append(compute_s * 1e3 / samples / profiled)
+            self.conditions = replace(self.conditions, compute_scale=_median(self._compute_scales, 1.0))
+        # A step after a step of the same candidate waited in steady state; the first after a
+        # switch also waited for the new pipeline to fill, and is no reading of its pace.
+        if key == self._previous_key and samples == self.batch_size:
+            measured = self._measured.setdefault(key, _Measured())
+            measured.paces.append((wait_s + compute_s) * 1e3 / samples)
+            measured.bandwidth = self.conditions.bandwidth
+            if key == self.current.key:
+                self._learn_overlap(measured.pace_ms)
+        self._previous_key = key
+
+    def _learn_overlap(self, wall_ms: float) -> None:
+        model = self.priced(self.current)
+        stages = (model.storage_ms, model.transfer_ms, model.compute_ms)
+        hidden = sum(stages) - max(stages)
+        if hidden > 0:
+            unhidden = (wall_ms - max(stages)) / hidden
+            self._losses.append(min(max(unhidden, 0.0), 1.0))
+            self.conditions = replace(self.conditions, overlap_loss=_median(self._losses, 0.0))
+
+    # -- the choice ------------------------------------------------------------------
+
+    def expected_ms(self, c: Candidate) -> float:
+        """Per sample: the pace the run measured at ``c`` while the link was as it is now,
+        else the model's."""
+        measured = self._measured.get(c.key)
+        if measured and measured.paces and _close(measured.bandwidth, self.conditions.bandwidth):
+            return measured.pace_ms
+        return self.priced(c).pace_ms
+
+    def pick(self, samples: int) -> Candidate:
+        """The candidate for the next batch of ``samples`` samples."""
+        if self.settled:
+            self._replan()
+        self.remaining -= samples
+        if self._exploring is not None:
+            candidate, left = self._exploring
+            self._exploring = (candidate, left - 1) if left > 1 else None
+            self.explore_left -= samples
+            return candidate
+        return self.current
+
+    def _replan(self) -> None:
+        if self._exploring is not None:
+            return
+        feasible = [self.priced(c) for c in self.options() if c.feasible]
+        incumbent_ms = self.expected_ms(self.current)
+        best = min(feasible, key=self.expected_ms)
+        if best.key != self.current.key:
+            measured = best.key in self._measured and self._measured[best.key].paces
+            # A measured pace must beat the incumbent's by more than the scatter of the
+            # incumbent's own readings; a predicted one, by more than the model's error.
+            margin = self._scatter() if measured else MODEL_ERROR
+            saved_ms = (incumbent_ms - self.expected_ms(best)) * self.remaining
+            if self.expected_ms(best) < incumbent_ms * (1 - margin) and saved_ms > best.fill_ms * self.batch_size:
+                self._switch(best, f"{'measured' if measured else 'predicted'} {self.expected_ms(best):.1f} "
+                                   f"ms/sample against {incumbent_ms:.1f}")
+                return
+        self._maybe_explore(feasible, incumbent_ms)
+
+    def _maybe_explore(self, feasible: list[Candidate], incumbent_ms: float) -> None:
+        """Give real batches to a candidate the model cannot separate from the incumbent and
+        the run never measured, when the exploration budget holds enough of them to read it
+        with its pipeline full."""
+        batches = self.batches_in_flight + 2
+        if self.explore_left < batches * self.batch_size or self.remaining < 10 * batches * self.batch_size:
+            return
+        unmeasured = [c for c in feasible if c.key not in self._explored | self._measured.keys()
+                      and c.key != self.current.key and c.pace_ms <= incumbent_ms * (1 + MODEL_ERROR)]
+        if unmeasured:
+            candidate = min(unmeasured, key=lambda c: c.pace_ms)
+            self.switches.append((self.run_samples - self.remaining, candidate,
+                                  "exploring: the model cannot separate it from the current one"))
+            self._exploring = (candidate, batches)
+            self._explored.add(candidate.key)
+
+    def _scatter(self) -> float:
+        """The relative spread of the incumbent's recent readings (their median absolute
+        deviation over their median); the model's error while it has fewer than three."""
+        measured = self._measured.get(self.current.key)
+        if measured is None or len(measured.paces) < 3:
+            return MODEL_ERROR
+        median = measured.pace_ms
+        return statistics.median(abs(x - median) for x in measured.paces) / median
+
+    def _switch(self, candidate: Candidate, why: str) -> None:
+        self.switches.append((self.run_samples - self.remaining, candidate, why))
+        self.current = candidate
+
+    def explain(self, stage_names: tuple[str, ...]) -> str:
+        """Every candidate as the planner sees it now, one line each."""
+        lines = [f"{'candidate':22s} {'after stage':18s} {'KB/sample':>10s} {'storage':>9s} {'network':>9s} "
+                 f"{'compute':>9s} {'model':>9s} {'measured':>9s}  bottleneck   (ms per sample)"]
+        for c in self.options():
+            stage = "-" if c.split <= 0 else stage_names[c.split - 1]
+            measured = self._measured.get(c.key)
+            reading = f"{measured.pace_ms:.2f}" if measured and measured.paces else "-"
+            mark = "  <- current" if c.key == self.current.key else ("  (out of memory)" if not c.feasible else "")
+            lines.append(f"{c.label:22s} {stage:18s} {c.bytes_per_sample / 1e3:10.1f} {c.storage_ms:9.2f} "
+                         f"{c.transfer_ms:9.2f} {c.compute_ms:9.2f} {c.pace_ms:9.2f} {reading:>9s}  "
+                         f"{c.bottleneck:10s}{mark}")
+        return "\n".join(lines)
+
+
+def _link_rate(transfers: Iterable[tuple[float, float, int]]) -> float | None:
+    """Bytes/s while the link was busy: the bytes of ``transfers`` (start, end, bytes) over
+    the union of their intervals, so that replies sharing the link are not each read as
+    the link's whole rate."""
+    busy, covered_to, total = 0.0, -math.inf, 0
+    for start, end, nbytes in sorted(transfers):
+        busy += max(end - max(start, covered_to), 0.0)
+        covered_to = max(covered_to, end)
+        total += nbytes
+    return total / busy if busy > 0 and total > 0 else None
+
+
+def _median(values: deque[float], default: float | None) -> float | None:
+    return statistics.median(values) if values else default
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    """Two link readings that differ by no more than the noise of one window on a shared link."""
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= LINK_DRIFT * max(a, b)

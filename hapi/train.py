@@ -10,13 +10,11 @@ the baseline without pushdown: raw objects fetched and run through the whole mod
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -25,23 +23,20 @@ import torch
 from tqdm import tqdm
 
 from compute_side import deployment
-from compute_side.client import StorageClient, StorageNodeError
-from compute_side.loader import PipelinedLoader, Source, batches_of, epoch_order
-from compute_side.profiling import contenders_within, measure_profile, time_contenders, trial_paces_ms
-from compute_side.replan import Replanner
-from compute_side.sources import PushdownSource, RawObjectSource
+from compute_side.client import StorageNodeError
+from compute_side.loader import PipelinedLoader, batches_of, epoch_order
+from compute_side.sources import Planned, Sources
 from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
 from hapi.datasets import DatasetNotFoundError, Sample
+from hapi.measure import host_profile
 from hapi.models import MODELS, StagedModel, build_model
-from hapi.planner import ALL_IN_COMPUTE, Candidate, candidates, choose, explain, summary
-from hapi.profile import Profile
-from hapi.store import MissingObjectError, ObjectStore, open_store
+from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner
+from hapi.store import MissingObjectError, open_store
 from hapi.transforms import CorruptImageError, TransformSpec
 from hapi.wire import WIRE_DTYPES, ExtractRequest
 
 log = logging.getLogger("hapi.train")
 
-PROFILE_BATCH = 16  # batch size the stage times are measured at
 DEFAULT_DEPTH = 4  # requests in flight; see the overlap benchmark in experiments/overlap.py
 
 
@@ -55,13 +50,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default="random",
                    help="random (seeded, the offline default), torchvision, or a state_dict file")
     p.add_argument("--split", default="auto",
-                   help="stages [0, split) run on the storage tier: auto (the planner's choice, re-planned as "
-                        "the run measures itself), freeze (every frozen stage), all-in-compute (no pushdown: "
-                        "raw objects, whole model here), or an index")
-    p.add_argument("--explain", action="store_true", help="print the planner's table of candidates")
+                   help="stages [0, split) run on the storage tier: auto (the planner chooses, and changes "
+                        "its choice as the run measures itself), freeze (every frozen stage), all-in-compute "
+                        "(no pushdown: raw objects, whole model here), or an index")
+    p.add_argument("--explain", action="store_true", help="print the planner's table of candidates at the end")
     p.add_argument("--dtypes", help="wire dtypes the planner may choose, e.g. float32,bfloat16 (default: --dtype)")
-    p.add_argument("--no-replan", dest="replan", action="store_false", help="keep the first plan all run")
-    p.add_argument("--refresh-profile", action="store_true", help="measure stage times even if saved")
+    p.add_argument("--refresh-profile", action="store_true", help="measure this host's stage times even if saved")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32, help="the optimiser's batch, whatever the storage side does")
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
@@ -111,9 +105,10 @@ class MetricsLog:
 
 
 def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tuple[Sample, ...], epoch: int,
-                    args: argparse.Namespace, metrics: MetricsLog, replanner: Replanner | None = None,
-                    switch: Callable[[Candidate], None] | None = None) -> Totals:
+                    args: argparse.Namespace, metrics: MetricsLog, planner: OnlinePlanner | None = None,
+                    model: StagedModel | None = None) -> Totals:
     order = epoch_order(samples, epoch, args.seed)
+    announced = len(planner.switches) if planner else 0
     totals = Totals()
     started = time.perf_counter()
     with tqdm(total=len(order), desc=f"epoch {epoch + 1}/{args.epochs}", unit="img", leave=False) as bar:
@@ -123,12 +118,17 @@ def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tupl
             compute_s = time.perf_counter() - step_started
             n = len(batch.keys)
             totals.add(Totals(n, loss * n, 0, batch.wire_bytes, batch.raw_bytes, batch.wait_s, compute_s))
-            metrics.write({"epoch": epoch, "step": step, "samples": n, "split": batch.split, "loss": loss,
-                           "wait_s": batch.wait_s, "compute_s": compute_s, "wire_bytes": batch.wire_bytes,
-                           "raw_bytes": batch.raw_bytes, "requests": batch.requests,
+            metrics.write({"epoch": epoch, "step": step, "samples": n, "split": batch.split, "dtype": batch.dtype,
+                           "loss": loss, "wait_s": batch.wait_s, "compute_s": compute_s,
+                           "wire_bytes": batch.wire_bytes, "raw_bytes": batch.raw_bytes, "requests": batch.requests,
                            "elapsed_ms": batch.elapsed_ms, "source_ms": batch.timings, "keys": batch.keys})
-            if replanner is not None and (better := replanner.observe(batch)) is not None:
-                switch(better)
+            if planner is not None:
+                planner.trained(batch.split, batch.dtype, n, batch.wait_s, compute_s)
+                for sent, candidate, why in planner.switches[announced:]:
+                    tqdm.write(f"planner: from sample {sent} on, {describe_split(model, candidate.split)}, "
+                               f"{candidate.dtype} ({why})")
+                    metrics.write({"switch": {"at_sample": sent, "why": why, **asdict(candidate)}})
+                announced = len(planner.switches)
             bar.update(n)
             bar.set_postfix(loss=f"{loss:.3f}")
     totals.seconds = time.perf_counter() - started
@@ -164,50 +164,16 @@ def _int(value: str, flag: str) -> int:
         raise ValueError(f"{flag} {value!r}: expected auto, freeze, all-in-compute or an integer") from None
 
 
-class Sources:
-    """Builds the (train, validation) feature sources for a split and wire dtype."""
-
-    def __init__(self, clients: list[StorageClient], store: ObjectStore, template: ExtractRequest,
-                 eval_transform: TransformSpec) -> None:
-        self.clients, self.store, self.template, self.eval_transform = clients, store, template, eval_transform
-
-    def build(self, split: int, dtype: str) -> tuple[Source, Source]:
-        # Validation never augments: the same centre crop on every run.
-        if split == ALL_IN_COMPUTE:
-            return (RawObjectSource(self.store, self.template.transform),
-                    RawObjectSource(self.store, self.eval_transform))
-        train = replace(self.template, split=split, dtype=dtype)
-        return (PushdownSource(self.clients, train),
-                PushdownSource(self.clients, replace(train, transform=self.eval_transform)))
-
-
-def plan(args: argparse.Namespace, model: StagedModel, clients: list[StorageClient], store: ObjectStore,
-         template: ExtractRequest, samples: tuple[Sample, ...], sources: Sources,
-         trainer: HeadTrainer) -> tuple[Profile, list[Candidate], Candidate]:
-    """Profile both tiers (stage times cached per hardware), try the close contenders, and
-    choose the split."""
-    profile = measure_profile(model, clients[0], store, template, samples, min(args.batch_size, PROFILE_BATCH),
-                              args.cache_dir / "profiles", args.depth, refresh=args.refresh_profile)
-
-    def options_for(p: Profile) -> list[Candidate]:
-        return candidates(p, args.batch_size, len(samples), wire_dtypes(args), request_size=args.request_size)
-
-    affordable = contenders_within(args.epochs * len(samples), args.batch_size, args.request_size, args.depth,
-                                   choose(options_for(profile)).steady_ms)
-    if not affordable:
-        log.info("no trials: a run of %d epoch(s) of %d samples is too short to afford them", args.epochs, len(samples))
-    else:
-        trial_trainer = copy.deepcopy(trainer)  # trials train a copy: they never change what the run learns
-
-        def try_candidate(c: Candidate, readings: int) -> list[float]:
-            return trial_paces_ms(sources.build(c.split, c.dtype)[0],
-                                  lambda batch: trial_trainer.train_step(batch.features, batch.labels, batch.split),
-                                  samples, args.batch_size, args.request_size, args.depth, c.steady_ms,
-                                  readings=readings)
-
-        profile = time_contenders(profile, options_for, try_candidate, affordable)
-    options = options_for(profile)
-    return profile, options, choose(options)
+def make_planner(args: argparse.Namespace, model: StagedModel, train: tuple[Sample, ...],
+                 val: tuple[Sample, ...], epochs: int) -> OnlinePlanner:
+    """The online planner for this run, from this host's profile of the model (shipped,
+    saved, or measured now on copies of the stages, touching nothing the run trains)."""
+    crop = args.image_size or model.spec.input_size
+    profile = host_profile(model, crop, args.cache_dir / "profiles", refresh=args.refresh_profile)
+    requests_per_batch = -(-args.batch_size // args.request_size)
+    return OnlinePlanner(profile, model.spec.freeze_index, args.batch_size, epochs * (len(train) + len(val)),
+                         raw_bytes=sum(s.size for s in train) / len(train), dtypes=wire_dtypes(args),
+                         batches_in_flight=max(1, -(-args.depth // requests_per_batch)))
 
 
 def wire_dtypes(args: argparse.Namespace) -> tuple[str, ...]:
@@ -260,32 +226,25 @@ def main(args: argparse.Namespace) -> int:
                    stack.enter_context(deployment.storage_nodes(args, store_url)))
         store = open_store(store_url, args.endpoint_url)
         sources = Sources(clients, store, template, eval_transform)
-        replanner = None
+        val_samples = manifest.split("val")
+        planner = None
         if fixed_split is None:
-            profile, options, chosen = plan(args, model, clients, store, template, train_samples, sources, trainer)
-            print(summary(profile, chosen))
-            if args.explain:
-                print(explain(profile, options, chosen))
-            split, dtype = chosen.split, chosen.dtype
-            if args.replan:
-                replanner = Replanner(profile, chosen, args.batch_size, len(train_samples), wire_dtypes(args),
-                                      request_size=args.request_size)
+            planner = make_planner(args, model, train_samples, val_samples, args.epochs - start_epoch)
+            train_source, val_source = Planned(planner, sources), Planned(planner, sources, validation=True)
+            split = planner.current.split
+            print(f"planner: starting at {describe_split(model, split)}, the safest while the link is unmeasured; "
+                  "the run measures itself from its first batch on and moves when a move pays")
         else:
-            split, dtype = fixed_split, args.dtype
-        train_loader = PipelinedLoader(sources.build(split, dtype)[0], args.request_size, args.depth)
-        val_loader = PipelinedLoader(sources.build(split, dtype)[1], args.request_size, args.depth)
+            split = fixed_split
+            train_source, val_source = sources.build(split, args.dtype)
+        train_loader = PipelinedLoader(train_source, args.request_size, args.depth)
+        val_loader = PipelinedLoader(val_source, args.request_size, args.depth)
         print(f"HAPI: {args.model}, {describe_split(model, split)} (freeze index {model.spec.freeze_index}); "
               f"data set {manifest.name!r} at {store_url}; run in {run_dir}")
 
-        def switch(candidate: Candidate) -> None:
-            train_loader.source, val_loader.source = sources.build(candidate.split, candidate.dtype)
-            tqdm.write(f"re-planned: now {describe_split(model, candidate.split)}, {candidate.dtype} "
-                       f"({candidate.bottleneck}-bound, predicted {candidate.epoch_s:.1f} s/epoch)")
-            metrics.write({"replan": asdict(candidate)})
-
         for epoch in range(start_epoch, args.epochs):
-            stats = train_one_epoch(trainer, train_loader, train_samples, epoch, args, metrics, replanner, switch)
-            val = evaluate(trainer, val_loader, manifest.split("val"), args)
+            stats = train_one_epoch(trainer, train_loader, train_samples, epoch, args, metrics, planner, model)
+            val = evaluate(trainer, val_loader, val_samples, args)
             torch.save({"epoch": epoch + 1, "setup": setup, "trainer": trainer.state_dict()},
                        run_dir / "checkpoint.pt")
             metrics.write({"epoch": epoch, "train": asdict(stats), "val": asdict(val)})
@@ -293,12 +252,15 @@ def main(args: argparse.Namespace) -> int:
                   f"{stats.samples / stats.seconds:.1f} samples/s | "
                   f"val loss {val.loss_sum / val.samples:.4f}, accuracy {val.correct / val.samples:.3f}")
             total.add(stats)
+        if planner is not None and args.explain:
+            print(planner.explain(model.stage_names))
     if total.samples:
         print(report(total, val))
     return 0
 
 
 def describe_split(model: StagedModel, split: int) -> str:
+    """The split in words."""
     if split == ALL_IN_COMPUTE:
         return "all-in-compute: raw objects, every stage here"
     return f"split {split}/{len(model)}: storage runs up to {model.stage_names[split - 1] if split else 'input'!r}"

@@ -45,7 +45,8 @@ class RecordingSource:
         if self.fail_on in [s.key for s in samples]:
             raise RuntimeError(f"cannot read {self.fail_on}")
         rows = torch.tensor([[float(s.key.rsplit("/", 1)[1].split(".")[0].replace("-", ""))] for s in samples])
-        return Part(rows, split=0, wire_bytes=8 * len(samples), elapsed_ms=1.0, timings={"forward_ms": 1.0})
+        return Part(rows, split=0, dtype="float32", wire_bytes=8 * len(samples), elapsed_ms=1.0,
+                    link_interval=(0.0, 1e-3), timings={"forward_ms": 1.0})
 
 
 def test_epoch_order_is_a_reproducible_permutation() -> None:
@@ -103,3 +104,47 @@ def test_a_failed_request_stops_the_epoch_with_its_error() -> None:
         for batch in loader.epoch(batches_of(_plain(40), 8), epoch=0):
             seen += batch.keys
     assert seen == [s.key for s in _plain(8)]  # batches before the failure arrived intact
+
+
+class SwitchingSteering:
+    """Picks source ``a`` for the first ``switch_after`` batches, then ``b``; unsettled
+    until the first reply, as the online planner is."""
+
+    def __init__(self, a: RecordingSource, b: RecordingSource, switch_after: int) -> None:
+        self.a, self.b, self.switch_after = a, b, switch_after
+        self.picks = 0
+        self.settled = False
+        self.sent_when_settled: int | None = None  # requests sent when the first reply arrived
+
+    def pick(self, samples: int) -> RecordingSource:
+        self.picks += 1
+        return self.a if self.picks <= self.switch_after else self.b
+
+    def arrived(self, part: Part, samples: int) -> None:
+        if not self.settled:
+            self.sent_when_settled = len({id(r) for r in self.a.requests + self.b.requests})
+        self.settled = True
+
+
+def test_switching_source_mid_epoch_keeps_every_sample_once_and_batches_whole() -> None:
+    samples = epoch_order(_plain(60), epoch=0, seed=1)
+    a, b = RecordingSource(delay_s=0.005), RecordingSource(delay_s=0.005)
+    b.split = 7
+    steering = SwitchingSteering(a, b, switch_after=3)
+    batches = list(PipelinedLoader(steering, request_size=4, depth=4).epoch(batches_of(samples, 8), epoch=0))
+    assert [k for batch in batches for k in batch.keys] == [s.key for s in samples]
+    assert Counter(k for r in a.requests + b.requests for k in r) == Counter(s.key for s in samples)
+    # A batch's requests all went to one source: the first three batches' to a, the rest to b.
+    assert sorted(k for r in a.requests for k in r) == sorted(s.key for s in samples[:24])
+    assert steering.picks == len(batches)
+
+
+def test_until_settled_only_the_first_batch_is_in_flight() -> None:
+    a = RecordingSource(delay_s=0.02)
+    steering = SwitchingSteering(a, a, switch_after=99)
+    loader = PipelinedLoader(steering, request_size=2, depth=8)
+    list(loader.epoch(batches_of(_plain(24), 4), epoch=0))
+    # The first batch is two requests: both were sent, and nothing of the second batch,
+    # before the first reply came back.
+    assert steering.sent_when_settled == 2
+    assert a.max_in_flight == 8  # once settled, the pipeline fills to its depth

@@ -1,0 +1,168 @@
+"""What a model's stages cost on this host, measured once per hardware and saved.
+
+A ``HostProfile`` holds, per sample: each frozen stage's forward time, the trainable
+stages' training step, and JPEG decode + transform; and each stage's output size. The
+planner takes the stages' proportions from it for both tiers (a stage's share of the
+prefix is the model's; the speed of the hardware that runs it is learned from the run).
+Profiles of the machines the project is tested on ship in the top-level ``profiles/``;
+one measured here is saved under the cache directory and found there next time.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import platform
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hapi.models import StagedModel
+from hapi.synthetic import render_jpeg
+from hapi.transforms import TransformSpec, preprocess
+
+log = logging.getLogger(__name__)
+
+SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+PROFILE_BATCH = 16  # the batch the stages are timed at: per-sample times change little above it
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """One host's measured costs for one model and input size, in ms per sample."""
+
+    host: str
+    model: str
+    input_size: int
+    output_elements: tuple[int, ...]  # per sample, the output of stage i
+    forward_ms: tuple[float, ...]  # per frozen stage, eval mode, no gradients
+    train_ms: float  # forward + backward + optimiser step of the trainable stages
+    decode_ms: float  # JPEG decode + transform
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> HostProfile:
+        body = json.loads(text)
+        return cls(**{**body, "output_elements": tuple(body["output_elements"]),
+                      "forward_ms": tuple(body["forward_ms"])})
+
+
+def host_name() -> str:
+    """A hardware key for saved profiles: CPU model and the threads torch uses."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu} x{torch.get_num_threads()}"
+
+
+def profile_path(directory: Path, host: str, model: str, input_size: int) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", host).strip("-").lower()
+    return directory / slug / f"{model}-{input_size}.json"
+
+
+def host_profile(model: StagedModel, input_size: int, cache_dir: Path, refresh: bool = False) -> HostProfile:
+    """This host's profile of ``model``: shipped, saved in ``cache_dir``, or measured now
+    (a few seconds of this host's CPU, nothing over the network) and saved there."""
+    host = host_name()
+    if not refresh:
+        for directory in (SHIPPED_PROFILES, cache_dir):
+            path = profile_path(directory, host, model.spec.name, input_size)
+            if path.is_file():
+                try:
+                    return HostProfile.from_json(path.read_text())
+                except (TypeError, KeyError, ValueError) as exc:
+                    log.warning("measuring again: %s does not load (%s)", path, exc)
+    profile = measure_host(model, input_size)
+    path = profile_path(cache_dir, host, model.spec.name, input_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    log.info("profile of this host saved to %s", path)
+    return profile
+
+
+def measure_host(model: StagedModel, input_size: int, batch_size: int = PROFILE_BATCH) -> HostProfile:
+    """Time this host: decode, every frozen stage's forward, and the training step.
+
+    It runs on copies of the model's stages with the RNG state restored afterwards, so
+    measuring never changes what a run learns (BatchNorm statistics, dropout draws).
+    """
+    freeze = model.spec.freeze_index
+    stages = nn.Sequential(*copy.deepcopy(list(model.stages)))
+    with torch.random.fork_rng():
+        transform = TransformSpec(crop_size=input_size, resize_size=round(input_size * 256 / 224))
+        return HostProfile(
+            host=host_name(), model=model.spec.name, input_size=input_size,
+            output_elements=output_elements(stages, input_size),
+            forward_ms=time_forward(stages[:freeze], input_size, batch_size),
+            train_ms=time_training(stages, freeze, input_size, batch_size),
+            decode_ms=time_decode(transform),
+        )
+
+
+def output_elements(stages: nn.Sequential, input_size: int) -> tuple[int, ...]:
+    """Elements per sample of each stage's output (index i: the output of stage i)."""
+    sizes = []
+    x = torch.zeros(1, 3, input_size, input_size)
+    with torch.inference_mode():
+        for stage in stages.eval():
+            x = stage(x)
+            sizes.append(x[0].numel())
+    return tuple(sizes)
+
+
+def time_forward(stages: nn.Sequential, input_size: int, batch_size: int, repeats: int = 3) -> tuple[float, ...]:
+    """Per-sample forward time of each stage (ms), eval mode, median over ``repeats``."""
+    runs: list[list[float]] = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):  # the first run warms caches and allocators up
+            x = torch.randn(batch_size, 3, input_size, input_size)
+            times = []
+            for stage in stages.eval():
+                started = time.perf_counter()
+                x = stage(x)
+                times.append((time.perf_counter() - started) * 1e3 / batch_size)
+            runs.append(times)
+    return tuple(statistics.median(column) for column in zip(*runs[1:]))
+
+
+def time_decode(transform: TransformSpec, samples: int = 8) -> float:
+    """Per-sample decode + transform time (ms) of ImageNet-sized JPEGs."""
+    blobs = [render_jpeg(i % 10, i) for i in range(samples)]
+    preprocess(blobs[0], "warm-up", transform)  # the first decode loads codecs and fills caches
+    started = time.perf_counter()
+    for i, blob in enumerate(blobs):
+        preprocess(blob, str(i), transform)
+    return (time.perf_counter() - started) * 1e3 / samples
+
+
+def time_training(stages: nn.Sequential, freeze: int, input_size: int, batch_size: int, repeats: int = 3) -> float:
+    """Per-sample forward + backward + SGD step (ms) of stages [freeze, end), on their real
+    input. ``stages`` is changed: pass a copy."""
+    with torch.inference_mode():
+        x = stages[:freeze].eval()(torch.randn(batch_size, 3, input_size, input_size))
+    x = x.clone()  # out of inference mode, so autograd may use it
+    trainable = stages[freeze:].train()
+    optimizer = torch.optim.SGD(trainable.parameters(), lr=0.0)
+    labels = torch.zeros(batch_size, dtype=torch.long)  # class 0 exists whatever the head's width
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        loss = nn.functional.cross_entropy(trainable(x), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        times.append((time.perf_counter() - started) * 1e3 / batch_size)
+    return statistics.median(times[1:])
