@@ -385,3 +385,43 @@ def test_missing_shard_object_names_a_requested_key(client, data) -> None:
     response = _extract(client, ["extra/nope.tar#b.jpg", "extra/nope.tar#a.jpg"])
     _assert_json_error(response, 404, "missing_object", key="extra/nope.tar#b.jpg")
 
+
+
+# --- malformed requests are 4xx, never 500 (issue 21) ---------------------------------
+
+
+@pytest.mark.parametrize("payload", [
+    b"[" * 1500 + b"]" * 1500,  # deeper than the parser's recursion limit
+    b'{"keys": [[[[[[[[[["a"]]]]]]]]]], "model": "resnet18", "split": 4}',
+    b'{"keys": ["a"], "model": "resnet18", "split": 4, "transform": []}',
+    b'{"keys": ["a"], "model": "resnet18", "split": 4, "transform": "big"}',
+    b'{"keys": ["a"], "model": "resnet18", "split": 4, "\\ud800": 1}',  # a lone surrogate as a key
+    b'{"keys": ["\\udfff.jpg"], "model": "resnet18", "split": 4}',
+    b'{"keys": ["a"], "model": "resnet18", "split": 4, "transform": {"mean": [NaN, 0, 0]}}',
+    b'{"keys": ["a"], "model": "resnet18", "split": 4, "transform": {"std": [Infinity, 1, 1]}}',
+    b'{"keys": ["a"], "model": "resnet18", "split": 4, "transform": {"std": [1e400, 1, 1]}}',
+    b'\xff\xfe{"keys": ["a"]}',
+], ids=["deep", "deep-keys", "transform-list", "transform-str", "surrogate-field", "surrogate-key", "nan-mean",
+        "inf-std", "overflow-std", "not-utf8"])
+def test_malformed_json_is_400(client, data, payload) -> None:
+    response = client.post("/v1/extract", data=payload, content_type="application/json")
+    _assert_json_error(response, 400, "bad_request")
+    _assert_still_serving(client, data)
+
+
+def test_torchvision_weights_a_node_lacks_are_409_without_a_download(client, data, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))  # an empty cache
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", lambda *a, **k: pytest.fail("downloaded"))
+    weights = f"torchvision:{MODELS['resnet18'].torchvision_weights}"
+    error = _assert_json_error(_extract(client, data.val_keys(1), weights=weights), 409, "weights_unavailable")
+    assert weights in error["message"] and "--weights-file" in error["message"]
+
+
+def test_only_keys_under_the_configured_dataset_prefixes_are_served(data) -> None:
+    config = DaemonConfig(store_url=data.store.url, io_threads=2, dataset_prefixes=("val",))
+    client = create_app(config).test_client()
+    assert _extract(client, data.val_keys(1)).status_code == 200
+    train_key = data.plain.split("train")[0].key
+    _assert_json_error(_extract(client, [train_key]), 404, "missing_object", key=train_key)
+    for key in ("val/../train/x.jpg", "val//x.jpg", "val/./x.jpg", "bad/garbage.jpg"):
+        _assert_json_error(_extract(client, [key]), 404, "missing_object", key=key)

@@ -1,0 +1,124 @@
+"""The daemon as served (``python -m storage_side``): slow clients cannot starve others,
+protocol errors are JSON, and it refuses to start in a way that would serve unauthenticated."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from compute_side.daemon_process import local_daemon
+from hapi.store import FileStore
+from hapi.wire import TOKEN_ENV
+from storage_side.__main__ import parse_args
+
+TOKEN = "serving-test-token"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    store = FileStore(tmp_path_factory.mktemp("store"))
+    store.put("x.jpg", b"not read in these tests")
+    log = tmp_path_factory.mktemp("logs") / "daemon.log"
+    args = ("--memory-budget", "3GiB", "--client-timeout", "5")
+    with local_daemon(store.url, log, extra_args=args, env={TOKEN_ENV: TOKEN}) as url:
+        yield url
+
+
+def _healthz_s(url: str) -> float:
+    started = time.perf_counter()
+    response = requests.get(url + "/healthz", timeout=5)
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    return time.perf_counter() - started
+
+
+@pytest.mark.parametrize("clients", [40, 200])
+def test_half_open_connections_do_not_starve_healthz(daemon: str, clients: int) -> None:
+    port = int(daemon.rsplit(":", 1)[1])
+    stalled = []
+    try:
+        for _ in range(clients):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"POST /v1/extract HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")  # never finished
+            stalled.append(sock)
+        time.sleep(0.2)
+        latencies = [_healthz_s(daemon) for _ in range(5)]
+        print(f"{clients} half-open connections: /healthz in {max(latencies) * 1e3:.0f} ms at worst")
+        assert max(latencies) < 1.0
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_slow_body_holds_no_thread(daemon: str) -> None:
+    port = int(daemon.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(b"POST /v1/extract HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n{")
+        assert _healthz_s(daemon) < 1.0
+
+
+@pytest.mark.parametrize("path, headers, status", [
+    ("/" + "a" * 100_000, {}, 431),
+    ("/healthz", {f"X-{i}": "v" * 100 for i in range(1000)}, 431),
+    ("/healthz", {f"X-{i}": "v" for i in range(500)}, 200),
+])
+def test_protocol_errors_are_json(daemon: str, path: str, headers: dict, status: int) -> None:
+    response = requests.get(daemon + path, headers=headers, timeout=10)
+    assert response.status_code == status
+    assert response.headers["Content-Type"].startswith("application/json")
+    if status != 200:
+        assert response.json()["error"] == "request_header_fields_too_large"
+
+
+def test_a_body_over_the_limit_is_refused_as_json_before_it_is_read(daemon: str) -> None:
+    response = requests.post(daemon + "/v1/extract", data=b"{" + b" " * (2 << 20) + b"}", timeout=10,
+                             headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert response.status_code == 413 and response.json()["error"] == "request_too_large"
+
+
+# --- auth that fails closed, at startup ------------------------------------------------
+
+
+def test_an_empty_or_blank_token_file_is_an_error(tmp_path: Path, capsys) -> None:
+    for text in ("", "  \n\t\n"):
+        token_file = tmp_path / "token"
+        token_file.write_text(text)
+        with pytest.raises(SystemExit):
+            parse_args(["--store", "file:///tmp", "--token-file", str(token_file)])
+        assert "empty or blank" in capsys.readouterr().err
+
+
+def test_a_blank_token_variable_is_an_error(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(TOKEN_ENV, " ")
+    with pytest.raises(SystemExit):
+        parse_args(["--store", "file:///tmp"])
+    assert "blank" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.5", "storage.example"])
+def test_a_non_loopback_bind_without_a_token_needs_insecure(host: str, monkeypatch, capsys) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--store", "file:///tmp", "--host", host])
+    assert "--insecure" in capsys.readouterr().err
+    assert parse_args(["--store", "file:///tmp", "--host", host, "--insecure"]).insecure
+    monkeypatch.setenv(TOKEN_ENV, "secret")
+    assert parse_args(["--store", "file:///tmp", "--host", host]).token == "secret"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_loopback_binds_need_no_token(host: str, monkeypatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert parse_args(["--store", "file:///tmp", "--host", host]).token is None
+
+
+@pytest.mark.parametrize("prefix", ["../x", "/abs", "a//b", "./a"])
+def test_a_dataset_prefix_must_be_plain(prefix: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--store", "file:///tmp", "--dataset-prefix", prefix])
+    assert "dataset prefix" in capsys.readouterr().err
