@@ -166,3 +166,30 @@ def time_training(stages: nn.Sequential, freeze: int, input_size: int, batch_siz
         optimizer.step()
         times.append((time.perf_counter() - started) * 1e3 / batch_size)
     return statistics.median(times[1:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hapi.measure --model M --image-size N [--save-to DIR]``: measure this host."""
+    import argparse
+
+    from hapi.models import MODELS, build_model
+
+    parser = argparse.ArgumentParser(prog="python -m hapi.measure", description=main.__doc__)
+    parser.add_argument("--model", default="resnet50", help=f"one of {', '.join(MODELS)}")
+    parser.add_argument("--image-size", type=int, help="default: the model's")
+    parser.add_argument("--save-to", type=Path, default=SHIPPED_PROFILES,
+                        help="profiles directory (default: the project's profiles/)")
+    args = parser.parse_args(argv)
+    model = build_model(args.model, input_size=args.image_size)
+    size = args.image_size or model.spec.input_size
+    profile = measure_host(model, size)
+    path = profile_path(args.save_to, profile.host, profile.model, size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    print(f"{profile.host}: {profile.model} at {size} px, frozen forward {sum(profile.forward_ms):.2f} ms, "
+          f"training step {profile.train_ms:.2f} ms, decode {profile.decode_ms:.2f} ms per sample -> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
