@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from compute_side.client import StorageClient
-from compute_side.profiling import window_ms
+from compute_side.sources import Sources
 from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
+from experiments.windows import window_ms
 from hapi.models import build_model
-from hapi.train import DEFAULT_DEPTH, Sources
+from hapi.train import DEFAULT_DEPTH
 from hapi.transforms import TransformSpec
 from hapi.wire import ExtractRequest
 

@@ -2,9 +2,11 @@
 
 Two emulated hosts (Swift + storage daemon on one core, the trainer on the other). The
 run starts on a fast link; after ``--change-after`` training steps the link is throttled.
-The trainer (``python -m hapi.train --split auto``) notices from its own measurements and
-switches split at a batch boundary. The script then checks from the run's metrics that
-every training sample was trained exactly once per epoch, and prints the timeline.
+The trainer (``python -m hapi.train --split auto``) measures the link from its own
+replies, and its planner moves to another split, at a batch boundary, when the move pays
+over the rest of the run. The script then checks from the run's metrics that every
+training sample was trained exactly once per epoch, and prints the timeline and the
+planner's switches.
 
     sudo python -m experiments.replan_demo [--start-mbit 400 --end-mbit 4 --change-after 10] [--quick]
 """
@@ -87,7 +89,7 @@ def main() -> int:
             return code
         train_keys = Counter(s.key for s in storage.manifest.split("train"))
         records = steps(metrics)
-        replans = [json.loads(line)["replan"] for line in metrics.read_text().splitlines() if '"replan"' in line]
+        switches = [r["switch"] for r in map(json.loads, metrics.read_text().splitlines()) if "switch" in r]
 
     exactly_once = all(Counter(k for r in records if r["epoch"] == e for k in r["keys"]) == train_keys
                        for e in range(args.epochs))
@@ -102,7 +104,8 @@ def main() -> int:
     print("\nstep  split  KB/sample  wait s   (split -1: all-in-compute, raw objects)")
     for r in records:
         print(f"{r['step']:4d}  {r['split']:5d}  {r['wire_bytes'] / r['samples'] / 1e3:9.1f}  {r['wait_s']:6.2f}")
-    print(f"re-plans: {[(c['split'], round(c['epoch_s'], 1)) for c in replans]}")
+    for c in switches:
+        print(f"switch from sample {c['at_sample']} on: split {c['split']} {c['dtype']} ({c['why']})")
     print(f"every training sample trained exactly once per epoch: {exactly_once}")
     return 0 if exactly_once else 1
 

@@ -21,7 +21,14 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 
-from experiments.split_sweep import GIVE_UP_FACTOR, RETIME_WITHIN, RIVALS, error_spread, verdict  # noqa: E402
+from experiments.split_sweep import (  # noqa: E402
+    GIVE_UP_FACTOR,
+    RETIME_WITHIN,
+    RIVALS,
+    error_spread,
+    regret_spread,
+    verdict,
+)
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
@@ -64,13 +71,13 @@ def _where(row: dict) -> str:
 
 
 def sweep_section(rows: list[dict], folder: Path) -> list[str]:
-    cases: dict[tuple[str, float], list[dict]] = defaultdict(list)
+    cases: dict[tuple[str, int, float], list[dict]] = defaultdict(list)
     for r in rows:
-        cases[(r["model"], float(r["bandwidth_mbit"]))].append(r)
-    models = sorted({m for m, _ in cases})
+        cases[(r["model"], int(r["batch_size"]), float(r["bandwidth_mbit"]))].append(r)
+    groups = sorted({(m, b) for m, b, _ in cases})  # one plot and headline row per (model, batch)
     per_case = {}
     for key, case in cases.items():
-        batch = int(case[0]["batch_size"])
+        batch = key[1]
         v = verdict(case)
         per_case[key] = {"chosen": v.chosen, "best": v.best, "batch": batch, "regret": v.regret,
                          "baseline": next(r for r in case if r["split"] == ALL_IN_COMPUTE),
@@ -83,10 +90,10 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
     # Bandwidth normalised by what all-in-compute consumes at full compute speed: its rate
     # on the fastest link times the raw bytes per sample.
     headline, bytes_rows = [], []
-    fig, axes = plt.subplots(1, len(models), figsize=(3.2 * len(models), 3.2), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        bws = sorted(bw for m, bw in per_case if m == model)
-        mine = [per_case[(model, bw)] for bw in bws]
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.2 * len(groups), 3.2), squeeze=False)
+    for ax, (model, batch) in zip(axes[0], groups):
+        bws = sorted(bw for m, b, bw in per_case if (m, b) == (model, batch))
+        mine = [per_case[(model, batch, bw)] for bw in bws]
         full = mine[-1]
         raw = float(full["baseline"]["bytes_per_sample"])
         need_mbit = rate(full["baseline"]) * raw * 8 / 1e6
@@ -95,12 +102,12 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
                     label={"baseline": "all-in-compute", "freeze": "freeze", "chosen": "auto"}[mode])
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(NullFormatter())  # narrow log ranges: minor labels overlap
-        ax.set_title(model)
+        ax.set_title(f"{model}, batch {batch}")
         ax.set_xlabel("bandwidth / baseline need")
         speedups = {bw: float(c["baseline"]["measured_ms"]) / float(c["chosen"]["measured_ms"])
                     for bw, c in zip(bws, mine)}
-        top = per_case[(model, max(speedups, key=speedups.get))]
-        bottom = per_case[(model, min(speedups, key=speedups.get))]
+        top = per_case[(model, batch, max(speedups, key=speedups.get))]
+        bottom = per_case[(model, batch, min(speedups, key=speedups.get))]
         headline.append({
             "model": model,
             "input": f"{full['baseline']['image_size']} px, batch {full['batch']}",
@@ -111,7 +118,7 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
             "choice within 5% of best": f"{sum(c['within'] for c in mine)}/{len(bws)}",
             "baseline needs": f"{need_mbit:.0f} Mbit/s",
         })
-        bytes_rows.append({"model": model, "raw KB/sample": f"{raw / 1e3:.1f}",
+        bytes_rows.append({"model": f"{model}, batch {batch}", "raw KB/sample": f"{raw / 1e3:.1f}",
                            "freeze KB/sample": f"{float(full['freeze']['bytes_per_sample']) / 1e3:.1f}",
                            "raw / freeze": f"{raw / float(full['freeze']['bytes_per_sample']):.1f}x",
                            **{f"auto at {bw:g} Mbit/s": f"{float(c['chosen']['bytes_per_sample']) / 1e3:.1f} KB "
@@ -126,30 +133,30 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
     timed = [r for r in rows if r["stopped_early"] != "True"]
     short = min(int(r["timed_iterations"]) for r in timed)
     long = min(int(r["timed_iterations"]) for r in timed if r["long_windows_ms"])
-    # A tried candidate's prediction is its trial's pace: the model's error is the others'.
-    modelled = [r for r in timed if r["tried"] != "True"]
+    modelled = [r for r in timed if r["predicted_ms"] != ""]
     errors = [abs(float(r["predicted_ms"]) - float(r["measured_ms"])) / float(r["measured_ms"]) for r in modelled]
-    plot_predictions(timed, folder / "predictions.png")
+    plot_predictions(modelled, folder / "predictions.png")
     within = sum(c["within"] for c in per_case.values())
     within_by_selection = sum(c["within_by_selection"] for c in per_case.values())
     # How much slower the choice trained than the best candidate: the cost of a miss, not only its count.
     regret = sorted(c["regret"] for c in per_case.values())
-    losses = [f"{m} at {bw:g} Mbit/s: auto {_ratio(c['baseline'], c['chosen'])} of all-in-compute "
-              f"({c['chosen']['candidate']})" for (m, bw), c in sorted(per_case.items())
+    losses = [f"{m} (batch {b}) at {bw:g} Mbit/s: auto {_ratio(c['baseline'], c['chosen'])} of all-in-compute "
+              f"({c['chosen']['candidate']})" for (m, b, bw), c in sorted(per_case.items())
               if float(c["chosen"]["measured_ms"]) > float(c["baseline"]["measured_ms"])]
-    freeze_losses = [f"{m} at {bw:g} Mbit/s ({_ratio(c['baseline'], c['freeze'])})"
-                     for (m, bw), c in sorted(per_case.items())
+    freeze_losses = [f"{m} (batch {b}) at {bw:g} Mbit/s ({_ratio(c['baseline'], c['freeze'])})"
+                     for (m, b, bw), c in sorted(per_case.items())
                      if float(c["freeze"]["measured_ms"]) > float(c["baseline"]["measured_ms"])]
-    misses = [f"{m} at {bw:g} Mbit/s: chose {c['chosen']['candidate']}, {c['regret']:.1%} slower than "
-              f"{c['best']['candidate']} (confirmed at {c['best']['confirm_ratios']} of the choice)"
-              for (m, bw), c in sorted(per_case.items()) if not c["within"]]
+    misses = [f"{m} (batch {b}) at {bw:g} Mbit/s: chose {c['chosen']['candidate']}, {c['regret']:.1%} slower "
+              f"than {c['best']['candidate']} (confirmed at {c['best']['confirm_ratios']} of the choice)"
+              for (m, b, bw), c in sorted(per_case.items()) if not c["within"]]
     return [
         "## Headline", "", table(headline, list(headline[0])), "",
         f"Split choice best or within 5% of the measured best in **{within}/{len(per_case)} = "
-        f"{within / len(per_case):.0%}** of (model, bandwidth) cases (paper: 86.8%; our goal: 95%); the choice "
-        f"trained {sum(regret) / len(regret):.1%} slower than the best on average, {regret[-1]:.0%} at worst. "
-        f"The cost model's prediction error per candidate ({len(modelled)} timed to the end, leaving out the "
-        f"{len(timed) - len(modelled)} the planner tried, whose prediction is their trial's pace): "
+        f"{within / len(per_case):.0%}** of (model, batch size, bandwidth) cases (paper: 86.8%; our goal: 95%). "
+        "The choice is the split a short `hapi.train --split auto` run settled on (its last training step's), "
+        "judged on the steady-state pace of every candidate timed afterwards; how much slower it trained than "
+        f"the best: {regret_spread(regret)}. The calibrated cost model's prediction error per candidate (the "
+        f"run's `--explain` table at its end, {len(modelled)} candidates timed to the end): "
         f"{error_spread(errors)}. Every candidate "
         f"was first timed over {short} iterations; candidates slower than {GIVE_UP_FACTOR}x the best so far were "
         "stopped early (or not started when their bytes alone would take that long on the link): their time is "
@@ -182,17 +189,19 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         "Cases where the choice was more than 5% slower than the best candidate: " + ("; ".join(misses) or "none")
         + ".", "",
         "### Every case", "",
-        table([{"model": m, "Mbit/s": f"{bw:g}", "chosen": c["chosen"]["candidate"],
+        table([{"model": m, "batch": b, "Mbit/s": f"{bw:g}", "chosen": c["chosen"]["candidate"],
                 "chosen ms/iter": c["chosen"]["measured_ms"], "best": c["best"]["candidate"],
                 "choice vs best": f"+{c['regret']:.1%}", "auto vs all-in-compute": _ratio(c["baseline"], c["chosen"]),
                 "freeze vs all-in-compute": _ratio(c["baseline"], c["freeze"])}
-               for (m, bw), c in sorted(per_case.items())],
-              ["model", "Mbit/s", "chosen", "chosen ms/iter", "best", "choice vs best", "auto vs all-in-compute",
-               "freeze vs all-in-compute"]), "",
+               for (m, b, bw), c in sorted(per_case.items())],
+              ["model", "batch", "Mbit/s", "chosen", "chosen ms/iter", "best", "choice vs best",
+               "auto vs all-in-compute", "freeze vs all-in-compute"]), "",
     ]
 
 
 def plot_predictions(timed: list[dict], path: Path) -> None:
+    if not timed:
+        return
     fig, ax = plt.subplots(figsize=(4.5, 4))
     for model in sorted({r["model"] for r in timed}):
         mine = [r for r in timed if r["model"] == model]

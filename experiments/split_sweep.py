@@ -1,70 +1,74 @@
-"""Exhaustive split sweep on two emulated hosts: every candidate timed, against the planner.
+"""Split sweep on two emulated hosts: the split a run settles on, against every candidate timed.
 
-For each shaped bandwidth and model: profile both tiers, let the planner choose (it tries
-its close contenders in short training runs first, as for a long ``hapi.train`` run), then
-train a few steady-state iterations at every candidate (all-in-compute and every split up
-to the freeze index) and record the measured time per iteration. Reports the share of
-cases where the planner's choice is the best or within 5% of it, its prediction error per
-candidate (the cost model's, over the candidates it did not try), and the speed-up of the
-choice over all-in-compute. One row per candidate in
-``results/split_sweep/sweep.csv``; the report and plots are made from it.
+For each (model, bandwidth, batch size) case, on the two emulated hosts of
+``experiments.twohosts`` (storage host: Swift + the storage daemon on core 0; this
+process and the trainer on core 1; the veth link shaped with tc):
 
-Each candidate is trained as ``hapi.train`` trains: the pipelined loader with its default
-depth of requests in flight. The clock starts once the pipeline is full (a warm-up of as
-many iterations as the depth) and stops while it still is; a window that drains the
-pipeline would be flattered by work fetched before the clock started.
+1. A short ``python -m hapi.train --split auto`` run, started as a user starts it (a
+   subprocess on the compute host's core, one torch thread), with ``--explain``. The
+   (split, dtype) of its last training step is the choice the run settled on after its
+   exploration; its ``--explain`` table gives the calibrated cost model's pace for every
+   candidate at the end of the run (the ``predicted_ms`` column).
+2. The steady-state pace of every candidate (all-in-compute and every split up to the
+   freeze index), trained here through the pipelined loader with ``hapi.train``'s depth of
+   requests in flight. The clock starts once the pipeline is full and stops while it still
+   is (``experiments.windows``).
 
-Sizing (a CPU is ~60x slower than the paper's GPUs): inputs of 112 px (ViT's patches stay
-16 px), VGG-19 at 64 (at 112 px its 40-odd candidates took 15 min a case), batch 4, 4 warm-up
-+ 4 timed iterations per candidate (+ 4 in flight when the clock stops), bandwidths 5-100
-Mbit/s. The planner's trials (3 s each) and the long windows (3.5 s) are timed by the clock;
-a smaller batch shortens everything counted in iterations: the screening windows and every
-pipeline's fill and drain (at batch 8, nine cases timed put the sweep at 90-110 min).
-Smaller inputs for every model do not shorten it: at 64 px more candidates tie, so more are
-tried and compared (the first four cases took 21 min at 64 px, 20 min the first five at 96).
-A candidate 1.4x slower than the best so far is stopped there (never the choice: its
-verdict rests on long windows, not on a short screening one). So sized, the 21 cases
-took 42 min here (sweep X).
+The verdict judges the choice on that steady-state pace. The machine's speed drifts by tens
+of percent within a minute, more than the 5% at stake, so absolute times taken a minute
+apart cannot decide it:
+- Screening: every candidate gets a short window, most promising first; one slower than
+  ``GIVE_UP_FACTOR`` times the best so far is stopped (its time is a lower bound), never
+  the choice.
+- Selection: the candidates screened within ``RETIME_WITHIN`` of the best (``RIVALS`` at
+  most) are the choice's rivals. Each is timed in long windows, every one bracketed by long
+  windows of the choice; its time relative to the choice is the median of its ratios to the
+  mean of its brackets. A rival gets another window while that median is within two
+  standard errors of the 5% line, and at least two when it beats the choice by more than 5%.
+- Confirmation: the lowest of several noisy medians is biased low (the winner's curse), so
+  the rival that looks fastest, when selection makes the choice a miss, is timed in fresh
+  bracketed windows, and their median ratio alone is the verdict.
 
-The verdict. The machine's speed drifts by tens of percent within a minute, more than the 5%
-at stake, so absolute times taken a minute apart cannot decide it. The candidates screened
-within 20% of the best (the 4 fastest at most) are the choice's rivals: each is timed in long
-windows (6 iterations and 3.5 s at least), every one bracketed by long windows of the choice,
-and its time relative to the choice is the median of its ratios to the mean of its brackets. Selection: a rival
-gets another window while that median is within two standard errors of the 5% line, and at
-least two when it beats the choice by more than 5% (a winner may have been lucky once), up
-to 2. Confirmation: the lowest of several noisy medians is biased low (the winner's curse),
-so the rival that looks fastest, when selection makes the choice a miss, is timed in 4 fresh
-bracketed windows, and their median ratio alone is the verdict (a choice selection finds
-within 5% stands: the bias runs against it). Every window and ratio is in the CSV.
+One row per candidate in ``results/split_sweep/sweep.csv`` (every window and ratio is in
+it); ``experiments.report`` makes the report and plots from it. The last line printed is
+the verdict: the share of cases whose choice is the best or within 5% of it, and the
+distribution of the choice's regret (how much slower it trains than the best).
 
-    sudo python -m experiments.split_sweep [--quick] [--models ...] [--bandwidths 5,25,100]
+Sizing: inputs of 112 px (VGGs at 64: their 40-odd candidates take a second a batch each
+at 112), batch 4, runs of 320 training samples.
+
+    sudo .venv/bin/python -m experiments.split_sweep [--quick] [--models resnet18,alexnet]
+        [--bandwidths 5,25,100] [--batch-sizes 4,8]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import json
 import logging
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from compute_side.client import StorageClient
-from compute_side.loader import Batch, Source
-from compute_side.profiling import measure_profile, time_contenders, trial_paces_ms, window_ms
+from compute_side.loader import Batch
+from compute_side.sources import Sources
 from compute_side.trainer import HeadTrainer, TrainConfig
 from experiments import twohosts
+from experiments.twohosts import StorageHost
+from experiments.windows import window_ms
 from hapi.models import build_model
-from hapi.planner import ALL_IN_COMPUTE, TRIAL_SECONDS, Candidate, candidates, choose, explain
-from hapi.profile import Profile
-from hapi.store import S3Store
-from hapi.train import DEFAULT_DEPTH, Sources
+from hapi.planner import ALL_IN_COMPUTE
+from hapi.train import DEFAULT_DEPTH
 from hapi.transforms import TransformSpec
 from hapi.wire import ExtractRequest
 
@@ -72,13 +76,13 @@ RESULTS = Path(__file__).parent / "results" / "split_sweep"
 PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
 FIELDS = ("bandwidth_mbit", "model", "image_size", "batch_size", "candidate", "split", "stage", "bytes_per_sample",
           "predicted_ms", "measured_ms", "timed_iterations", "long_windows_ms", "vs_choice", "ratios_to_choice",
-          "confirm_ratios", "stopped_early", "chosen", "bottleneck", "tried")
+          "confirm_ratios", "stopped_early", "chosen", "bottleneck", "run_measured", "run_s", "run_switches")
 # A candidate slower than this many times the best so far is stopped, or not started when
 # its bytes alone would take that long on the link; a lower bound is kept either way.
 GIVE_UP_FACTOR = 1.4
 # Candidates screened within this factor of the best, at most RIVALS of them (the fastest), are
 # rivals of the choice, compared with it in long windows. Where a model has many splits of one
-# pace (vgg19's convolutions and their ReLUs), more rivals add no information, only more draws
+# pace (a convolution's split and its ReLU's), more rivals add no information, only more draws
 # for the winner's curse and minutes of windows.
 RETIME_WITHIN = 1.2
 RIVALS = 4
@@ -86,128 +90,176 @@ RIVALS = 4
 WITHIN = 1.05
 # A rival gets another bracketed window while its median ratio is within two standard errors
 # of that line (at most --max-rounds); the spread of a bracketed ratio is taken as at least
-# this (log units; measured on alexnet's 4 s windows: 0.03), so one lucky window cannot end it.
+# this (log units; 4 s windows read about 0.03), so one lucky window cannot end it.
 WINDOW_NOISE = 0.04
-# Input sizes: 112 px, and 64 for VGG-19, whose 40-odd candidates at 112 px took 15 min a case
-# (a batch's convolutions take about a second on one core, and each of its candidates is timed).
+# Input sizes: 112 px, and 64 for the VGGs, whose convolutions take about a second a batch
+# on one core at 112 px, for each of their 40-odd candidates.
 IMAGE_SIZE = 112
-IMAGE_SIZES = {"vgg19": 64}
-# The planner is asked about a long epoch, where fill and drain vanish: the sweep times the
-# steady state.
-STEADY_STATE_SAMPLES = 100_000
+IMAGE_SIZES = {"vgg16": 64, "vgg19": 64}
+# hapi.train's defaults: samples per request to the storage node.
+REQUEST_SIZE = 32
+VAL_PER_CLASS = 2  # the run validates, as a user's does; a few samples keep it short
 
 
-def sweep_model(name: str, client: StorageClient, store: S3Store, samples: list, args: argparse.Namespace,
-                bandwidth: float, profiles_dir: Path) -> list[dict]:
+@dataclass(frozen=True)
+class AutoRun:
+    """What a ``hapi.train --split auto`` run settled on, and how its planner priced the candidates."""
+
+    settled: tuple[int, str]  # (split, dtype) of its last training step
+    seconds: float  # the whole command's wall time
+    switches: int  # switch records in its metrics.jsonl (explorations included)
+    predicted: dict[str, dict]  # candidate label -> its --explain line, parsed
+
+
+def run_auto(storage: StorageHost, name: str, image_size: int, batch_size: int, depth: int, work: Path) -> AutoRun:
+    """One ``--split auto`` run of an epoch of the data set's training samples, as a user runs it."""
+    out = work / f"{name}-{image_size}-b{batch_size}-{time.monotonic_ns()}"
+    command = [sys.executable, "-m", "hapi.train", "--model", name, "--image-size", str(image_size),
+               "--batch-size", str(batch_size), "--depth", str(depth), "--epochs", "1", "--split", "auto",
+               "--explain", "--store", storage.store.url, "--endpoint-url", storage.swift.endpoint_url,
+               "--storage-node", storage.node, "--output-dir", str(out), "--cache-dir", str(work / "cache")]
+    started = time.perf_counter()
+    # This process is pinned to the compute host's core; the run inherits it, with one torch thread.
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seconds = time.perf_counter() - started
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    logging.info("%s b%d: hapi.train --split auto, %.1f s:\n%s", name, batch_size, seconds, done.stdout)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in records if "step" in r][-1]
+    return AutoRun((int(last["split"]), last["dtype"]), seconds, sum("switch" in r for r in records),
+                   parse_explain(done.stdout))
+
+
+def parse_explain(text: str) -> dict[str, dict]:
+    """The planner's ``--explain`` table: per candidate label, its bytes, modelled pace (ms
+    per sample), the run's own reading of it (None: not measured) and its bottleneck."""
+    table = {}
+    for line in text.splitlines():
+        tokens = line.split()
+        if tokens[:1] == ["all-in-compute"]:
+            label, rest = tokens[0], tokens[1:]
+        elif tokens[:1] == ["split"] and len(tokens) > 3 and tokens[1].isdigit():
+            label, rest = " ".join(tokens[:3]), tokens[3:]
+        else:
+            continue
+        try:
+            _stage, kb, _storage, _network, _compute, pace, reading, bottleneck = rest[:8]
+            table[label] = {"bytes_per_sample": float(kb) * 1e3, "pace_ms": float(pace),
+                            "measured_ms": None if reading == "-" else float(reading), "bottleneck": bottleneck}
+        except ValueError:
+            continue  # not a line of the table
+    return table
+
+
+def label_of(split: int, dtype: str) -> str:
+    """A candidate's label, as the planner writes it."""
+    return "all-in-compute" if split == ALL_IN_COMPUTE else f"split {split} {dtype}"
+
+
+def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, args: argparse.Namespace,
+               bandwidth: float, work: Path) -> list[dict]:
     image_size = args.image_size or IMAGE_SIZES.get(name, IMAGE_SIZE)
+    auto = run_auto(storage, name, image_size, batch_size, args.depth, work)
     model = build_model(name, input_size=image_size)
     model.replace_head(10)
     trainer = HeadTrainer(model, TrainConfig())
     transform = TransformSpec(crop_size=image_size, resize_size=round(image_size * 256 / 224))
     template = ExtractRequest(keys=(), model=name, split=0, transform=transform, job_id="sweep")
-    profile = measure_profile(model, client, store, template, samples, args.batch_size, profiles_dir, args.depth)
-
-    def options_for(p: Profile) -> list[Candidate]:
-        return candidates(p, args.batch_size, STEADY_STATE_SAMPLES)
-
-    def source_for(c: Candidate) -> Source:
-        return Sources([client], store, template, transform).build(c.split, c.dtype)[0]
+    sources = Sources([StorageClient(storage.node)], storage.store, template, transform)
+    keys = [(ALL_IN_COMPUTE, "float32")] + [(s, "float32") for s in range(model.spec.freeze_index + 1)]
+    if auto.settled not in keys:
+        keys.append(auto.settled)
+    chosen = auto.settled
 
     def step(batch: Batch) -> None:
         trainer.train_step(batch.features, batch.labels, batch.split)
 
-    def try_candidate(c: Candidate, readings: int) -> list[float]:
-        return trial_paces_ms(source_for(c), step, samples, args.batch_size, args.batch_size, args.depth, c.steady_ms,
-                              args.trial_s, readings)
-
-    profile = time_contenders(profile, options_for, try_candidate)
-    options = options_for(profile)
-    chosen = choose(options)
-    logging.info("%s %s Mbit/s: node anchor %s, compute-tier reads %.2f ms/sample (%.2f of client CPU)\n%s", name,
-                 bandwidth, profile.node_anchor, profile.compute.fetch_ms, profile.compute.fetch_cpu_ms,
-                 explain(profile, options, chosen))
-
-    def measure(c: Candidate, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
-        return window_ms(source_for(c), step, samples, args.batch_size, args.batch_size, args.depth, args.warmup,
+    def measure(key: tuple[int, str], timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
+        return window_ms(sources.build(*key)[0], step, samples, batch_size, REQUEST_SIZE, args.depth, args.warmup,
                          timed, give_up_ms)
 
-    rows = []
+    def predicted(key: tuple[int, str]) -> dict:
+        return auto.predicted.get(label_of(*key), {})
+
+    rows: dict[tuple[int, str], dict] = {}
     best_ms = float("inf")  # per iteration
     # Screening: a short window for every candidate, most promising first, so that a slow
     # one can be given up on early; never the choice, whose verdict rests on long windows.
-    order = sorted(options, key=lambda c: c.epoch_s)
-    for c in order:
+    for key in sorted(keys, key=lambda k: predicted(k).get("pace_ms", math.inf)):
+        split, dtype = key
+        p = predicted(key)
         # The link alone takes bytes / bandwidth: a physical lower bound, not the cost model.
-        link_bound_ms = c.bytes_per_sample * args.batch_size / profile.bandwidth * 1e3
-        give_up_ms = float("inf") if c == chosen else GIVE_UP_FACTOR * best_ms
+        link_bound_ms = p.get("bytes_per_sample", 0.0) * batch_size / (bandwidth * 1e6 / 8) * 1e3
+        give_up_ms = float("inf") if key == chosen else GIVE_UP_FACTOR * best_ms
         if link_bound_ms > give_up_ms:
             measured, stopped = link_bound_ms, True
         else:
-            measured, stopped = measure(c, args.iterations, give_up_ms)
+            measured, stopped = measure(key, args.iterations, give_up_ms)
         if not stopped:
             best_ms = min(best_ms, measured)
-        stage = "-" if c.split <= 0 else model.stage_names[c.split - 1]
-        rows.append({"bandwidth_mbit": bandwidth, "model": name, "image_size": image_size,
-                     "batch_size": args.batch_size, "candidate": c.label, "split": c.split, "stage": stage,
-                     "bytes_per_sample": round(c.bytes_per_sample),
-                     "predicted_ms": round(c.epoch_s * 1e3 / STEADY_STATE_SAMPLES * args.batch_size, 1),
+        rows[key] = {"bandwidth_mbit": bandwidth, "model": name, "image_size": image_size, "batch_size": batch_size,
+                     "candidate": label_of(*key), "split": split,
+                     "stage": "-" if split <= 0 else model.stage_names[split - 1],
+                     "bytes_per_sample": round(p.get("bytes_per_sample", 0.0)),
+                     "predicted_ms": round(p["pace_ms"] * batch_size, 1) if p else "",
                      "measured_ms": round(measured, 1), "timed_iterations": 0 if stopped else args.iterations,
                      "long_windows_ms": "", "vs_choice": "", "ratios_to_choice": "", "confirm_ratios": "",
-                     "stopped_early": stopped,
-                     "chosen": c == chosen, "bottleneck": c.bottleneck, "tried": c.trial_ms is not None})
-        logging.info("%s %s Mbit/s %-20s predicted %7.1f measured %s%7.1f ms/iter", name, bandwidth, c.label,
-                     rows[-1]["predicted_ms"], ">" if stopped else " ", measured)
+                     "stopped_early": stopped, "chosen": key == chosen, "bottleneck": p.get("bottleneck", ""),
+                     "run_measured": p.get("measured_ms") is not None, "run_s": round(auto.seconds, 1),
+                     "run_switches": auto.switches}
+        logging.info("%s %g Mbit/s b%d %-20s predicted %7s measured %s%7.1f ms/iter", name, bandwidth, batch_size,
+                     label_of(*key), rows[key]["predicted_ms"], ">" if stopped else " ", measured)
+    compare(rows, chosen, measure, args)
+    return list(rows.values())
 
-    # The comparison: the machine's speed drifts by tens of percent within a minute, far more
-    # than the 5% at stake, so the choice is compared with each rival in long windows
-    # bracketed by windows of the choice, and a rival's time is the median ratio to the mean
-    # of its two brackets (a drift of the machine falls on both sides of a ratio).
-    by_label = {c.label: (row, c) for row, c in zip(rows, order)}
-    mine = by_label[chosen.label]
-    best_ms = min(row["measured_ms"] for row in rows if row["timed_iterations"])
-    rivals = sorted(((row, c) for row, c in zip(rows, order) if row["timed_iterations"] and c != chosen
-                     and row["measured_ms"] <= RETIME_WITHIN * best_ms), key=lambda rc: rc[0]["measured_ms"])[:RIVALS]
-    iterations = {row["candidate"]: max(args.long_iterations, math.ceil(args.window_s * 1e3 / row["measured_ms"]))
-                  for row, _ in (*rivals, mine)}  # a long window lasts at least args.window_s
 
-    def long_window(row: dict, c: Candidate) -> float:
+def compare(rows: dict[tuple[int, str], dict], chosen: tuple[int, str], measure, args: argparse.Namespace) -> None:
+    """Selection and confirmation (see the module's docstring): the choice against its
+    rivals in long windows, each bracketed by long windows of the choice. Fills in the rows'
+    long windows and ratios."""
+    mine = rows[chosen]
+    best_ms = min(row["measured_ms"] for row in rows.values() if row["timed_iterations"])
+    rivals = sorted((key for key, row in rows.items() if row["timed_iterations"] and key != chosen
+                     and row["measured_ms"] <= RETIME_WITHIN * best_ms),
+                    key=lambda k: rows[k]["measured_ms"])[:RIVALS]
+    # A long window lasts at least args.window_s.
+    iterations = {key: max(args.long_iterations, math.ceil(args.window_s * 1e3 / rows[key]["measured_ms"]))
+                  for key in (*rivals, chosen)}
+
+    def long_window(key: tuple[int, str]) -> float:
         """One more long window; the candidate's time is the median of its long windows."""
-        ms = measure(c, iterations[row["candidate"]])[0]
+        row = rows[key]
+        ms = measure(key, iterations[key])[0]
         times = [float(w) for w in row["long_windows_ms"].split()] + [ms]
-        row.update(measured_ms=round(statistics.median(times), 1), timed_iterations=iterations[row["candidate"]],
+        row.update(measured_ms=round(statistics.median(times), 1), timed_iterations=iterations[key],
                    long_windows_ms=" ".join(f"{t:.1f}" for t in times))
         return ms
 
-    def bracketed(row: dict, c: Candidate, before: float) -> tuple[float, float]:
+    def bracketed(key: tuple[int, str], before: float) -> tuple[float, float]:
         """(a rival's long window over the mean of the choice's before and after it; after)."""
-        theirs = long_window(row, c)
-        after = long_window(*mine)
-        logging.info("%s %s Mbit/s %-20s %.1f ms/iter between the choice's %.1f and %.1f", name, bandwidth,
-                     row["candidate"], theirs, before, after)
+        theirs = long_window(key)
+        after = long_window(chosen)
+        logging.info("%s %s ms/iter between the choice's %.1f and %.1f", rows[key]["candidate"], f"{theirs:.1f}",
+                     before, after)
         return theirs / ((before + after) / 2), after
 
-    before = long_window(*mine)
-    # Selection: rivals clearly slower (or faster) than the 5% line drop out early.
-    while live := [(row, c) for row, c in rivals if in_play(ratios_of(row), args.max_rounds)]:
-        for row, c in live:
-            ratio, before = bracketed(row, c, before)
-            ratios = [*ratios_of(row), ratio]
-            row.update(vs_choice=round(statistics.median(ratios), 3),
-                       ratios_to_choice=" ".join(f"{r:.3f}" for r in ratios))
-    # Confirmation: the lowest of several noisy medians is biased low (the winner's curse), so
-    # the rival that makes the choice look a miss is timed again in fresh windows, and only
-    # these decide the verdict. A choice that selection finds within 5% needs none: the bias
-    # runs against it.
-    leader = min(rivals, key=lambda rc: rc[0]["vs_choice"], default=None)
-    if leader and leader[0]["vs_choice"] < 1 / WITHIN:
+    before = long_window(chosen)
+    while live := [key for key in rivals if in_play(ratios_of(rows[key]), args.max_rounds)]:
+        for key in live:
+            ratio, before = bracketed(key, before)
+            ratios = [*ratios_of(rows[key]), ratio]
+            rows[key].update(vs_choice=round(statistics.median(ratios), 3),
+                             ratios_to_choice=" ".join(f"{r:.3f}" for r in ratios))
+    leader = min(rivals, key=lambda k: rows[k]["vs_choice"], default=None)
+    if leader is not None and rows[leader]["vs_choice"] < 1 / WITHIN:
         confirm = []
         for _ in range(args.confirm):
-            ratio, before = bracketed(*leader, before)
+            ratio, before = bracketed(leader, before)
             confirm.append(ratio)
-        leader[0]["confirm_ratios"] = " ".join(f"{r:.3f}" for r in confirm)
-        logging.info("%s %s Mbit/s %s confirmed at %s of the choice", name, bandwidth, leader[0]["candidate"],
-                     leader[0]["confirm_ratios"])
-    return rows
+        rows[leader]["confirm_ratios"] = " ".join(f"{r:.3f}" for r in confirm)
+        logging.info("%s confirmed at %s of the choice (%s)", rows[leader]["candidate"],
+                     rows[leader]["confirm_ratios"], mine["candidate"])
 
 
 def ratios_of(row: dict, column: str = "ratios_to_choice") -> list[float]:
@@ -262,35 +314,41 @@ def verdict(case: list[dict]) -> Verdict:
 
 
 def error_spread(errors: list[float]) -> str:
-    """The cost model's errors (untried candidates) in words."""
+    """The cost model's errors per candidate, in words."""
     if not errors:
-        return "unknown (every candidate timed to the end was tried)"
+        return "unknown (no candidate was both predicted and timed to the end)"
     errors = sorted(errors)
     return f"median {errors[len(errors) // 2]:.0%}, 90th percentile {errors[int(len(errors) * 0.9)]:.0%}"
 
 
+def regret_spread(regret: list[float]) -> str:
+    """The choice's regret over the cases, in words: mean, median, worst."""
+    return (f"regret mean {statistics.mean(regret):.1%}, median {statistics.median(regret):.1%}, "
+            f"worst {max(regret):.1%}")
+
+
 def summarise(rows: list[dict]) -> str:
-    cases = {}
+    cases: dict[tuple, list[dict]] = {}
     for r in rows:
-        cases.setdefault((r["bandwidth_mbit"], r["model"]), []).append(r)
+        cases.setdefault((float(r["bandwidth_mbit"]), r["model"], int(r["batch_size"])), []).append(r)
     verdicts, lines = [], []
-    errors = [abs(r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"] for r in rows
-              if not r["stopped_early"] and not r["tried"]]  # a tried candidate's prediction is its trial
-    for (bw, model), case in sorted(cases.items()):
+    errors = [abs(float(r["predicted_ms"]) - float(r["measured_ms"])) / float(r["measured_ms"]) for r in rows
+              if str(r["stopped_early"]) != "True" and r["predicted_ms"] != ""]
+    for (bw, model, batch), case in sorted(cases.items()):
         v = verdict(case)
         verdicts.append(v)
-        baseline = next(r for r in case if r["split"] == ALL_IN_COMPUTE)
-        lines.append(f"{model:12s} {bw:6g} Mbit/s  chosen {v.chosen['candidate']:16s} "
-                     f"{v.chosen['measured_ms']:8.1f} ms  "
+        baseline = next(r for r in case if int(r["split"]) == ALL_IN_COMPUTE)
+        lines.append(f"{model:18s} {bw:6g} Mbit/s b{batch:<3d} chosen {v.chosen['candidate']:16s} "
+                     f"{float(v.chosen['measured_ms']):8.1f} ms  "
                      f"best {v.best['candidate']:16s} (choice +{v.regret:.1%})  {'ok' if v.within else 'MISS':4s}  "
-                     f"speed-up vs all-in-compute {baseline['measured_ms'] / v.chosen['measured_ms']:.2f}x")
+                     f"speed-up vs all-in-compute "
+                     f"{float(baseline['measured_ms']) / float(v.chosen['measured_ms']):.2f}x")
     good = sum(v.within for v in verdicts)
     selection_good = sum(v.within_by_selection for v in verdicts)
-    regret = [v.regret for v in verdicts]
     lines.append(f"choice best or within 5% of best: {good}/{len(cases)} = {good / len(cases):.1%} "
                  f"({selection_good}/{len(cases)} by the selection windows alone); "
-                 f"the cost model's prediction error {error_spread(errors)}; the choice "
-                 f"{sum(regret) / len(regret):.1%} slower than the best on average, {max(regret):.0%} at worst")
+                 f"{regret_spread([v.regret for v in verdicts])}; "
+                 f"the calibrated cost model's prediction error {error_spread(errors)}")
     return "\n".join(lines)
 
 
@@ -298,8 +356,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(PAPER_MODELS))
     p.add_argument("--bandwidths", default="5,25,100", help="Mbit/s of the shaped link")
+    p.add_argument("--batch-sizes", default="4", help="the optimiser's batch, of the run and of every window")
     p.add_argument("--image-size", type=int, help=f"px, of every model (default: {IMAGE_SIZE}, {IMAGE_SIZES})")
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--run-samples", type=int, default=320, help="training samples of the --split auto run")
     p.add_argument("--iterations", type=int, default=4, help="timed steady-state iterations per candidate")
     p.add_argument("--long-iterations", type=int, default=6,
                    help="timed iterations at least of a long window (the choice's and its rivals')")
@@ -307,21 +366,22 @@ def main() -> int:
     p.add_argument("--max-rounds", type=int, default=2, help="bracketed long windows at most per rival (selection)")
     p.add_argument("--confirm", type=int, default=4,
                    help="fresh bracketed long windows of the rival that looks fastest, which decide the verdict")
-    p.add_argument("--trial-s", type=float, default=TRIAL_SECONDS, help="seconds at least of a planner's trial")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH, help="requests in flight, as in hapi.train")
     p.add_argument("--warmup", type=int, help="iterations before the clock starts (default: the depth)")
-    p.add_argument("--quick", action="store_true", help="resnet18 and alexnet at 10 and 50 Mbit/s, 64 px")
+    p.add_argument("--quick", action="store_true",
+                   help="resnet18 and alexnet at 10 and 50 Mbit/s, 64 px, runs of 120 samples, short windows")
     p.add_argument("--daemon-args", default="", help="extra options of the storage daemon, e.g. '--max-running 1'")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
-    if args.quick:  # explicit --models / --bandwidths / --iterations still win
+    if args.quick:  # explicit options still win
         defaults = p.parse_args([])
         args.models = args.models if args.models != defaults.models else "resnet18,alexnet"
         args.bandwidths = args.bandwidths if args.bandwidths != defaults.bandwidths else "10,50"
         args.iterations = args.iterations if args.iterations != defaults.iterations else 3
         args.long_iterations = args.long_iterations if args.long_iterations != defaults.long_iterations else 4
-        args.window_s, args.trial_s, args.max_rounds, args.confirm = 1.0, 0.5, 2, 2
-        args.image_size = 64
+        args.run_samples = args.run_samples if args.run_samples != defaults.run_samples else 120
+        args.window_s, args.max_rounds, args.confirm = 1.0, 2, 2
+        args.image_size = args.image_size or 64
     args.warmup = args.depth if args.warmup is None else args.warmup
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("urllib3").setLevel(logging.ERROR)
@@ -337,18 +397,18 @@ def main() -> int:
             twohosts.TwoHosts() as hosts:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
-        n = args.batch_size * (args.warmup + max(args.iterations, args.long_iterations) + args.depth)
-        storage = hosts.start_storage_host(Path(tmp), "sweep", train_per_class=-(-n // 10),
+        storage = hosts.start_storage_host(Path(tmp), "sweep", train_per_class=-(-args.run_samples // 10),
+                                           val_per_class=VAL_PER_CLASS,
                                            daemon_args=("--torch-threads", "1", *args.daemon_args.split()))
-        samples = list(storage.manifest.split("train")[:n])
-        client = StorageClient(storage.node)
+        samples = list(storage.manifest.split("train"))
         for bandwidth in [float(b) for b in args.bandwidths.split(",")]:
             hosts.shape(bandwidth)
             for name in args.models.split(","):
-                case = sweep_model(name, client, storage.store, samples, args, bandwidth, Path(tmp, "profiles"))
-                writer.writerows(case)
-                f.flush()
-                rows += case
+                for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
+                    case = sweep_case(name, batch_size, storage, samples, args, bandwidth, Path(tmp))
+                    writer.writerows(case)
+                    f.flush()
+                    rows += case
     print(summarise(rows))
     return 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -137,7 +138,11 @@ class TwoHosts:
 
     def start_daemon(self, store_url: str, swift: RemoteSwift, log_path: Path, port: int = 8470,
                      extra_args: tuple[str, ...] = ()) -> str:
-        """A storage daemon on the storage host, next to its Swift; returns its URL."""
+        """A storage daemon on the storage host, next to its Swift; returns its URL.
+
+        It listens beyond loopback, so it requires a bearer token: ``$HAPI_STORAGE_TOKEN``,
+        set here when unset, which this process's clients and its children read too."""
+        os.environ.setdefault("HAPI_STORAGE_TOKEN", secrets.token_hex(16))
         # The daemon reads the store through the storage host's own loopback side of Swift.
         self.spawn_storage([sys.executable, "-m", "storage_side", "--store", store_url, "--endpoint-url",
                             swift.endpoint_url, "--host", STORAGE_IP, "--port", str(port), *extra_args],

@@ -126,8 +126,8 @@ class ModelSpec:
 
 
 # Freeze indices translate the reference paper's choices onto these stages (see README):
-# ResNet-50 trains only fc; ResNet-18 its last block and fc; AlexNet and VGG their last
-# two Linear layers; DenseNet-121, ViT-B/16 and MobileNetV3 their classifier.
+# ResNet-50 and ResNet-101 train only fc; ResNet-18 its last block and fc; AlexNet and VGG
+# their last two Linear layers; DenseNet-121, ViT-B/16 and MobileNetV3 their classifier.
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -135,10 +135,14 @@ MODELS: dict[str, ModelSpec] = {
                   "ResNet18_Weights.IMAGENET1K_V1"),
         ModelSpec("resnet50", torchvision.models.resnet50, _resnet_stages, 22,
                   "ResNet50_Weights.IMAGENET1K_V2"),
+        ModelSpec("resnet101", torchvision.models.resnet101, _resnet_stages, 39,
+                  "ResNet101_Weights.IMAGENET1K_V2"),
         ModelSpec("alexnet", torchvision.models.alexnet, _features_classifier_stages, 18,
                   "AlexNet_Weights.IMAGENET1K_V1"),
         ModelSpec("vgg11", torchvision.models.vgg11, _features_classifier_stages, 26,
                   "VGG11_Weights.IMAGENET1K_V1"),
+        ModelSpec("vgg16", torchvision.models.vgg16, _features_classifier_stages, 36,
+                  "VGG16_Weights.IMAGENET1K_V1"),
         ModelSpec("vgg19", torchvision.models.vgg19, _features_classifier_stages, 42,
                   "VGG19_Weights.IMAGENET1K_V1"),
         ModelSpec("densenet121", torchvision.models.densenet121, _densenet_stages, 15,

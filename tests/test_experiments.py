@@ -9,6 +9,20 @@ import pytest
 from experiments import split_sweep, twohosts
 
 
+def test_the_sweep_reads_the_planner_s_explain_table() -> None:
+    text = """planner: from sample 40 on, split 3/23: storage runs up to 'relu', float32 (predicted 1.0)
+candidate              after stage         KB/sample   storage   network   compute     model  measured  bottleneck
+all-in-compute         -                       101.2      0.00     81.00     30.00     81.00         -  network
+split 0 float32        -                       150.5      3.00    120.40     28.00    120.40     118.2  network
+split 9 float32        layer2.3                 16.4     20.00     13.10     11.00     20.00     -  storage  <- current
+"""
+    table = split_sweep.parse_explain(text)
+    assert list(table) == ["all-in-compute", "split 0 float32", "split 9 float32"]
+    assert table["split 0 float32"] == {"bytes_per_sample": 150500.0, "pace_ms": 120.4, "measured_ms": 118.2,
+                                        "bottleneck": "network"}
+    assert table["split 9 float32"]["measured_ms"] is None and table["split 9 float32"]["bottleneck"] == "storage"
+
+
 def _run(*args: str) -> str:
     done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -33,11 +47,13 @@ def test_split_sweep_runs_on_two_emulated_hosts_and_feeds_the_report(tmp_path) -
     results = tmp_path / "results"
     out = _run("experiments.split_sweep", "--quick", "--models", "resnet18", "--bandwidths", "20",
                "--iterations", "2", "--out", str(results / "split_sweep"))
-    assert "choice best or within 5% of best: " in out
+    assert "choice best or within 5% of best: " in out and "regret mean " in out
     rows = list(csv.DictReader(open(results / "split_sweep" / "sweep.csv")))
     assert len(rows) == 1 + 12  # all-in-compute and splits 0..11 of resnet18
     assert sum(r["chosen"] == "True" for r in rows) == 1
     assert all(float(r["measured_ms"]) > 0 for r in rows)
+    # The run's --explain table prices every candidate; the run itself took seconds.
+    assert all(float(r["predicted_ms"]) > 0 and float(r["run_s"]) > 0 for r in rows)
     _run("experiments.report", "--results", str(results), "--output", str(tmp_path / "REPORT.md"))
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Headline" in report and "| resnet18 |" in report and "## Where HAPI loses" in report
