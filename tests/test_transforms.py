@@ -8,7 +8,14 @@ import torch
 from PIL import Image
 
 from hapi.synthetic import render_jpeg
-from hapi.transforms import CorruptImageError, TransformSpec, preprocess
+from hapi.transforms import (
+    CorruptImageError,
+    ImageTooLargeError,
+    TransformSpec,
+    preprocess,
+    preprocess_peak_bytes,
+    read_header,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +73,46 @@ def test_a_png_whose_header_lies_is_corrupt_not_a_crash() -> None:
     # Handed to torchvision's libpng as is, this one kills the process (segmentation fault).
     with pytest.raises(CorruptImageError, match="'lying.png'.*not a valid PNG"):
         preprocess(_png_claiming(20, 20), "lying.png", TransformSpec(crop_size=8, resize_size=8))
+
+
+def _image(fmt: str, width: int, height: int, **save: object) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (height, width, 3), np.uint8)).save(
+        buffer, fmt, **save)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("fmt, width, height", [("JPEG", 640, 480), ("PNG", 300, 200), ("WEBP", 200, 200),
+                                                ("JPEG", 20, 2000)])
+def test_the_peak_estimate_covers_what_preprocess_allocates(fmt: str, width: int, height: int) -> None:
+    from storage_side.memory import peak_live_bytes
+
+    data = _image(fmt, width, height)
+    spec = TransformSpec(crop_size=64, resize_size=72)
+    header = read_header(data, "k")
+    assert (header.format, header.width, header.height, header.animated) == (fmt, width, height, False)
+    assert peak_live_bytes(lambda: preprocess(data, "k", spec)) <= preprocess_peak_bytes(header, spec)
+
+
+def test_pixel_limits_are_checked_from_the_header_and_after_resizing() -> None:
+    spec = TransformSpec(crop_size=32, resize_size=40)
+    with pytest.raises(ImageTooLargeError, match="'big.png' is 12000 x 12000 pixels"):
+        preprocess(_png_claiming(12_000, 12_000), "big.png", spec, max_pixels=10**6)
+    thread = _image("PNG", 1, 5000)  # 5000 pixels, resized to 40 x 200000
+    with pytest.raises(ImageTooLargeError, match="resize to 8000000"):
+        preprocess(thread, "thread.png", spec, max_pixels=10**6)
+    assert preprocess(thread, "thread.png", spec, max_pixels=10**7).shape == (3, 32, 32)
+
+
+def test_unaccepted_formats_are_refused_before_decoding() -> None:
+    with pytest.raises(CorruptImageError, match="'x.bmp'.*not a JPEG, PNG, GIF, WEBP image"):
+        preprocess(_image("BMP", 8, 8), "x.bmp", TransformSpec(crop_size=8, resize_size=8))
+
+
+@pytest.mark.parametrize("transform, words", [
+    ([], "JSON object"), ("big", "JSON object"), ({"mean": [float("nan"), 0, 0]}, "finite"),
+    ({"std": [float("inf"), 1, 1]}, "finite"),
+])
+def test_a_transform_that_is_not_a_spec_is_a_value_error(transform: object, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        TransformSpec.from_dict(transform)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hapi.transforms import TransformSpec
-from hapi.wire import ExtractRequest, WireError, decode_features, encode_features
+from hapi.wire import ExtractRequest, WireError, decode_features, encode_features, parse_json
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -54,3 +54,25 @@ def test_request_round_trips_through_json() -> None:
 def test_bad_requests_name_what_is_wrong(body: object, message: str) -> None:
     with pytest.raises(WireError, match=message):
         ExtractRequest.from_json(body)
+
+
+@pytest.mark.parametrize("payload, words", [
+    (b"[" * 5000 + b"]" * 5000, "nested deeper"),
+    (b'{"a": [[[[[[[[1]]]]]]]]}', "nested deeper"),
+    (b'{"a": NaN}', "NaN is not a number"),
+    (b'{"a": -Infinity}', "-Infinity is not a number"),
+    (b'{"a": 1e999}', "out of range"),
+    (b'{"a": ' + b"1" * 5000 + b"}", "not usable JSON"),
+    (b'{"\\ud800": 1}', "lone surrogate"),
+    (b'["x\\udc00y"]', "lone surrogate"),
+    (b"\xff{}", "not UTF-8"),
+    (b"{", "not JSON"),
+])
+def test_parse_json_refuses_what_is_not_strict_json(payload: bytes, words: str) -> None:
+    with pytest.raises(WireError, match=words):
+        parse_json(payload)
+
+
+def test_parse_json_takes_a_real_request() -> None:
+    body = ExtractRequest(keys=("é/ü.jpg",), model="resnet18", split=4).to_json()
+    assert ExtractRequest.from_json(parse_json(json.dumps(body).encode())).keys == ("é/ü.jpg",)
