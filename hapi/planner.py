@@ -13,16 +13,19 @@ run exceeds what the move costs.
 The cost model, per sample (a candidate is a split s, stages [0, s) on the storage node,
 or all-in-compute, which ships the raw objects):
 
-    storage(s)  = node_fixed + node_scale x forward[0, s)      the node's decode, I/O, encode
-    transfer(s) = bytes of stage s-1's output / bandwidth       (all-in-compute: the objects)
-    compute(s)  = compute_scale x (forward[s, freeze) + train)  (all-in-compute: + decode)
-    pace(s)     = max(storage, transfer, compute) + loss x (sum - max)
+    storage(s)  = node_fixed + node_scale x forward[0, s) + node_unseen
+    transfer(s) = bytes of stage s-1's output / bandwidth        (all-in-compute: the objects)
+    compute(s)  = forward[s, freeze) + train + compute_unseen     (all-in-compute: + decode)
+    pace(s)     = max(storage, transfer, compute)
 
 The stages overlap (the next batches are read while this one trains), so the slowest
-sets the pace; ``loss`` is the share of the others that the run shows is not hidden.
-``forward`` and ``train`` are this host's measured profile (``hapi.measure``): a stage's
-share of the prefix is the model's, while the speed of each tier (the scales), the
-bandwidth and the loss are learned from the run's replies and steps.
+sets the pace. ``forward``, ``train`` and ``decode`` are this host's measured profile
+(``hapi.measure``): this tier runs them as profiled, and a stage's share of the node's
+prefix is the model's, while the node's speed (``node_scale``, ``node_fixed``: from the
+node's own timings) and the bandwidth are learned from the replies. In steady state the
+pace is the real cost of the slowest stage, so what a run measures beyond the model's
+bottleneck is that tier's unseen cost (the store's CPU beside the node, HTTP, the GIL,
+stages that overlap imperfectly) and is charged to it: ``node_unseen`` or ``compute_unseen``.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ class Conditions:
     bandwidth: float | None = None  # bytes/s between the tiers; None until measured
     node_scale: float = 1.0  # the node's forward time per stage / this host's
     node_fixed_ms: float | None = None  # the node's work per sample beside the prefix; None: this host's decode
-    compute_scale: float = 1.0  # this tier's training-time work / its profile
-    overlap_loss: float = 0.0
+    node_unseen_ms: float = 0.0  # per sample, the node's cost its timings leave out
+    compute_unseen_ms: float = 0.0  # per sample, this tier's cost its profile leaves out
 
 
 @dataclass(frozen=True)
@@ -103,19 +106,19 @@ def price(profile: HostProfile, freeze: int, conditions: Conditions, split: int,
     """The cost model's candidate at ``split`` (see the module's docstring)."""
     forward = profile.forward_ms
     bandwidth = conditions.bandwidth or math.inf
-    compute_ms = conditions.compute_scale * (sum(forward[max(split, 0):freeze]) + profile.train_ms)
+    compute_ms = sum(forward[max(split, 0):freeze]) + profile.train_ms + conditions.compute_unseen_ms
     if split == ALL_IN_COMPUTE:
         per_sample = conditions.raw_bytes
         storage_ms = 0.0  # the store serves the objects; the link and this tier's decode are the work
-        compute_ms += conditions.compute_scale * profile.decode_ms
+        compute_ms += profile.decode_ms
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
         fixed = profile.decode_ms if conditions.node_fixed_ms is None else conditions.node_fixed_ms
-        storage_ms = fixed + conditions.node_scale * sum(forward[:split])
+        storage_ms = fixed + conditions.node_scale * sum(forward[:split]) + conditions.node_unseen_ms
     transfer_ms = per_sample / bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
-    pace_ms = max(stages) + conditions.overlap_loss * (sum(stages) - max(stages))
+    pace_ms = max(stages)
     memory = compute_memory(profile, freeze, split, batch_size)
     return Candidate(split, dtype, per_sample, storage_ms, transfer_ms, compute_ms, pace_ms,
                      memory <= compute_memory_budget)
@@ -209,8 +212,6 @@ class OnlinePlanner:
         self._links: deque[tuple[float, float, int]] = deque(maxlen=RECENT)
         self._node_scales: deque[float] = deque(maxlen=RECENT)
         self._node_fixed: deque[float] = deque(maxlen=RECENT)
-        self._compute_scales: deque[float] = deque(maxlen=RECENT)
-        self._losses: deque[float] = deque(maxlen=RECENT)
         self._previous_key: tuple[int, str] | None = None
 
     def options(self) -> list[Candidate]:
@@ -244,13 +245,9 @@ class OnlinePlanner:
         self.settled = True
 
     def trained(self, split: int, dtype: str, samples: int, wait_s: float, compute_s: float) -> None:
-        """Learn this tier's speed, the pipeline's overlap and the candidate's wall pace
-        from one training step (its wait for data and its compute)."""
+        """Learn the candidate's wall pace from one training step (its wait for data and its
+        compute), and charge what the model does not explain to its bottleneck tier."""
         key = (split, dtype)
-        profiled = self.profile.train_ms + sum(self.profile.forward_ms[max(split, 0):self.freeze])
-        if profiled > 0 and samples > 1:  # a one-sample step runs BatchNorm otherwise: not the pace
-            self._compute_scales.append(compute_s * 1e3 / samples / profiled)
-            self.conditions = replace(self.conditions, compute_scale=_median(self._compute_scales, 1.0))
         # A step after a step of the same candidate waited in steady state; the first after a
         # switch also waited for the new pipeline to fill, and is no reading of its pace.
         if key == self._previous_key and samples == self.batch_size:
@@ -258,17 +255,19 @@ class OnlinePlanner:
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
             measured.bandwidth = self.conditions.bandwidth
             if key == self.current.key:
-                self._learn_overlap(measured.pace_ms)
+                self._charge_unseen(measured.pace_ms)
         self._previous_key = key
 
-    def _learn_overlap(self, wall_ms: float) -> None:
+    def _charge_unseen(self, wall_ms: float) -> None:
+        """Charge the measured pace's difference from the model's to the bottleneck tier: the
+        node or this tier (a link-bound pace is the link's rate, measured directly)."""
         model = self.priced(self.current)
-        stages = (model.storage_ms, model.transfer_ms, model.compute_ms)
-        hidden = sum(stages) - max(stages)
-        if hidden > 0:
-            unhidden = (wall_ms - max(stages)) / hidden
-            self._losses.append(min(max(unhidden, 0.0), 1.0))
-            self.conditions = replace(self.conditions, overlap_loss=_median(self._losses, 0.0))
+        if model.bottleneck == "storage":
+            unseen = self.conditions.node_unseen_ms + wall_ms - model.storage_ms
+            self.conditions = replace(self.conditions, node_unseen_ms=max(unseen, 0.0))
+        elif model.bottleneck == "compute":
+            unseen = self.conditions.compute_unseen_ms + wall_ms - model.compute_ms
+            self.conditions = replace(self.conditions, compute_unseen_ms=max(unseen, 0.0))
 
     # -- the choice ------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ def test_a_fast_link_and_a_slow_storage_node_keep_work_on_the_compute_tier() -> 
 
 
 def test_a_slow_compute_tier_pushes_every_frozen_stage_down() -> None:
-    assert best(at(1e10, compute_scale=20.0)) == (FREEZE, "float32")
+    assert best(at(1e10, compute_unseen_ms=20.0)) == (FREEZE, "float32")
 
 
 def test_a_narrower_wire_dtype_halves_the_bytes_when_allowed() -> None:
@@ -50,12 +50,27 @@ def test_a_narrower_wire_dtype_halves_the_bytes_when_allowed() -> None:
     assert min(options, key=lambda c: c.pace_ms).key == (3, "bfloat16")
 
 
-def test_the_pace_is_the_slowest_stage_plus_the_share_not_hidden() -> None:
-    c = price(PROFILE, FREEZE, at(1e8, overlap_loss=0.5), 2, "float32", BATCH)
+def test_the_pace_is_the_slowest_stage_and_the_fill_the_others() -> None:
+    c = price(PROFILE, FREEZE, at(1e8), 2, "float32", BATCH)
     # storage: decode 2 + 2 stages; network: 30,000 floats at 100 MB/s; compute: 2 stages + train
     assert (c.storage_ms, c.transfer_ms, c.compute_ms) == pytest.approx((4.0, 1.2, 2.5))
-    assert c.pace_ms == pytest.approx(4.0 + 0.5 * (1.2 + 2.5))
-    assert c.fill_ms == pytest.approx(1.2 + 2.5)
+    assert c.pace_ms == pytest.approx(4.0) and c.fill_ms == pytest.approx(1.2 + 2.5)
+    assert c.bottleneck == "storage"
+
+
+def test_what_the_node_s_timings_leave_out_is_charged_to_the_node() -> None:
+    p = planner()
+    p.pick(BATCH)
+    # An 8 MB/s link and a node like this host by its own timings: split 3 (5 ms a sample) ...
+    p.arrived(reply(3, BATCH, 0.0, 0.008, **node_timings(3, BATCH, 1.0)))
+    assert p.pick(BATCH).key == (3, "float32")
+    # ... trains at 12 ms a sample: the node is the bottleneck and costs 7 ms a sample more
+    # than it reports (the store beside it, HTTP), so split 0, which leaves the node only
+    # its decode, is faster (9 ms).
+    for _ in range(3):
+        p.trained(3, "float32", BATCH, BATCH * 0.0115, BATCH * 0.0005)
+    assert p.conditions.node_unseen_ms == pytest.approx(7.0)
+    assert p.pick(BATCH).split == 0
 
 
 def test_all_in_compute_ships_raw_objects_and_decodes_here() -> None:
@@ -146,9 +161,8 @@ def test_a_candidate_measured_slower_is_not_chosen_again_though_the_model_prefer
         p.arrived(reply(ALL_IN_COMPUTE, BATCH, 1.0, 0.001))
         p.trained(ALL_IN_COMPUTE, "float32", BATCH, BATCH * 0.194, BATCH * 0.006)
     aic = next(c for c in p.options() if c.split == ALL_IN_COMPUTE)
-    assert p.expected_ms(aic) == pytest.approx(200.0) and aic.pace_ms < 150
+    assert p.expected_ms(aic) == pytest.approx(200.0)
     assert p.pick(BATCH).split != ALL_IN_COMPUTE
-    assert not p.priced(p.current).pace_ms > 150
 
 
 def test_the_link_is_read_over_the_time_it_was_busy_not_per_reply() -> None:
