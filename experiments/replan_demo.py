@@ -47,11 +47,12 @@ def main() -> int:
     p.add_argument("--start-mbit", type=float, default=400)
     p.add_argument("--end-mbit", type=float, default=4)
     p.add_argument("--change-after", type=int, default=10, help="training steps before the link is throttled")
-    p.add_argument("--quick", action="store_true", help="64 px, 240 samples")
+    p.add_argument("--quick", action="store_true", help="64 px, 240 samples (15 steps), throttled after 4 steps")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
     if args.quick:
         args.image_size, args.train_per_class = 64, 24
+        args.change_after = min(args.change_after, 4)  # most of the short run on the throttled link
     reason = twohosts.available()
     if reason:
         print(f"cannot emulate two hosts here: {reason}", file=sys.stderr)
