@@ -213,6 +213,7 @@ class OnlinePlanner:
         self._node_scales: deque[float] = deque(maxlen=RECENT)
         self._node_fixed: deque[float] = deque(maxlen=RECENT)
         self._previous_key: tuple[int, str] | None = None
+        self._filling = 0  # steps still to come before the pipeline runs in steady state
 
     def options(self) -> list[Candidate]:
         return candidates(self.profile, self.freeze, self.conditions, self.batch_size, self.dtypes, self.memory_budget)
@@ -248,15 +249,24 @@ class OnlinePlanner:
         """Learn the candidate's wall pace from one training step (its wait for data and its
         compute), and charge what the model does not explain to its bottleneck tier."""
         key = (split, dtype)
-        # A step after a step of the same candidate waited in steady state; the first after a
-        # switch also waited for the new pipeline to fill, and is no reading of its pace.
-        if key == self._previous_key and samples == self.batch_size:
+        if key != self._previous_key:
+            self._filling = self.batches_in_flight
+        self._previous_key = key
+        # The steps of a pipeline that (re)started waited for it to fill as well: while the
+        # batches in flight are those sent when it started, a step is no reading of the pace.
+        if self._filling > 0:
+            self._filling -= 1
+            return
+        if samples == self.batch_size:
             measured = self._measured.setdefault(key, _Measured())
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
             measured.bandwidth = self.conditions.bandwidth
             if key == self.current.key:
                 self._charge_unseen(measured.pace_ms)
-        self._previous_key = key
+
+    def restarted(self) -> None:
+        """The loader's pipeline starts empty (a new epoch): its first steps are no readings."""
+        self._previous_key = None
 
     def _charge_unseen(self, wall_ms: float) -> None:
         """Charge the measured pace's difference from the model's to the bottleneck tier: the

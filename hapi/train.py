@@ -109,6 +109,8 @@ def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tupl
                     model: StagedModel | None = None) -> Totals:
     order = epoch_order(samples, epoch, args.seed)
     announced = len(planner.switches) if planner else 0
+    if planner is not None:
+        planner.restarted()
     totals = Totals()
     started = time.perf_counter()
     with tqdm(total=len(order), desc=f"epoch {epoch + 1}/{args.epochs}", unit="img", leave=False) as bar:
