@@ -51,6 +51,7 @@ EXPLORE_SHARE = 0.05
 # 1 Mbit/s to 10 Gbit/s.
 LINKS = tuple(125e3 * 10 ** (i / 3) for i in range(13))
 RECENT = 8  # observations a measurement is the median of: recent enough to follow drift
+MIN_READINGS = 2  # steady-state readings of a candidate moved to before the next move: a median needs two
 # A pace measured at a candidate stands while the link stays within this share of what it
 # was then (shaped and shared links read within about 10% from one window to the next);
 # beyond it the link has changed, and the model prices the candidate again.
@@ -214,6 +215,7 @@ class OnlinePlanner:
         self._node_fixed: deque[float] = deque(maxlen=RECENT)
         self._previous_key: tuple[int, str] | None = None
         self._filling = 0  # steps still to come before the pipeline runs in steady state
+        self._readings_since_switch = 0
 
     def options(self) -> list[Candidate]:
         return candidates(self.profile, self.freeze, self.conditions, self.batch_size, self.dtypes, self.memory_budget)
@@ -262,6 +264,7 @@ class OnlinePlanner:
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
             measured.bandwidth = self.conditions.bandwidth
             if key == self.current.key:
+                self._readings_since_switch += 1
                 self._charge_unseen(measured.pace_ms)
 
     def restarted(self) -> None:
@@ -302,7 +305,10 @@ class OnlinePlanner:
         return self.current
 
     def _replan(self) -> None:
-        if self._exploring is not None:
+        # After a move, the next waits for the new candidate's own readings (MIN_READINGS of
+        # them in steady state): a decision taken on the estimates of a pipeline in transition
+        # would chase them. The first move, on the first reply, is the one that cannot wait.
+        if self._exploring is not None or (self.switches and self._readings_since_switch < MIN_READINGS):
             return
         feasible = [self.priced(c) for c in self.options() if c.feasible]
         incumbent_ms = self.expected_ms(self.current)
@@ -347,6 +353,7 @@ class OnlinePlanner:
     def _switch(self, candidate: Candidate, why: str) -> None:
         self.switches.append((self.run_samples - self.remaining, candidate, why))
         self.current = candidate
+        self._readings_since_switch = 0
 
     def explain(self, stage_names: tuple[str, ...]) -> str:
         """Every candidate as the planner sees it now, one line each."""

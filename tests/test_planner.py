@@ -157,7 +157,7 @@ def test_a_candidate_measured_slower_is_not_chosen_again_though_the_model_prefer
     # had run at 150 ms.
     p.trained(3, "float32", BATCH, BATCH * 0.149, BATCH * 0.001)
     p.trained(3, "float32", BATCH, BATCH * 0.149, BATCH * 0.001)
-    for _ in range(3):
+    for _ in range(4):  # two fill the new pipeline, two are readings
         p.arrived(reply(ALL_IN_COMPUTE, BATCH, 1.0, 0.001))
         p.trained(ALL_IN_COMPUTE, "float32", BATCH, BATCH * 0.194, BATCH * 0.006)
     aic = next(c for c in p.options() if c.split == ALL_IN_COMPUTE)
@@ -214,3 +214,18 @@ def test_measuring_this_host_changes_nothing_a_run_learns(tmp_path) -> None:
     assert len(profile.forward_ms) == model.spec.freeze_index and profile.train_ms > 0
     saved = list(tmp_path.glob("*/resnet18-32.json"))
     assert len(saved) == 1 and HostProfile.from_json(saved[0].read_text()) == profile
+
+
+def test_after_a_move_the_next_waits_for_the_new_candidate_s_own_readings() -> None:
+    p = planner()
+    p.pick(BATCH)
+    p.arrived(reply(3, BATCH, 0.0, 0.0005, **SLOW_NODE))
+    assert p.pick(BATCH).split == ALL_IN_COMPUTE
+    # The link now reads 100x slower: on the estimates alone split 3 would be better again,
+    # but all-in-compute has no reading of its own yet.
+    p.arrived(reply(ALL_IN_COMPUTE, BATCH, 1.0, 0.8))
+    assert p.pick(BATCH).split == ALL_IN_COMPUTE and len(p.switches) == 1
+    for _ in range(4):
+        p.arrived(reply(ALL_IN_COMPUTE, BATCH, 2.0, 0.8))
+        p.trained(ALL_IN_COMPUTE, "float32", BATCH, BATCH * 0.094, BATCH * 0.006)
+    assert p.pick(BATCH).split != ALL_IN_COMPUTE and len(p.switches) == 2
