@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import requests
@@ -18,6 +21,18 @@ from hapi.wire import TOKEN_ENV, ExtractRequest, ProfileRequest, decode_features
 log = logging.getLogger(__name__)
 
 BODY_RETRIES = 2
+# A node answers a TCP connect at once or not at all; waiting longer only delays failover.
+CONNECT_TIMEOUT_S = 3.0
+# A /healthz that takes longer than this counts as a failed probe: the node is hung or swamped.
+PROBE_TIMEOUT_S = 2.0
+# A failed node is probed again after this long, doubling after every failed probe up to the cap.
+BACKOFF_S = (1.0, 30.0)
+# A request is hedged after this multiple of its node's slowest recent request (same split
+# and dtype), and never before the floor: queueing behind the node's other requests, a
+# node slowed by a neighbour or a slow link stretch a request a few times, a hung node forever.
+HEDGE_MULTIPLE = 4.0
+HEDGE_FLOOR_S = 2.0
+PACE_WINDOW = 8  # recent requests per (split, dtype) that set the deadline
 
 
 class StorageNodeError(RuntimeError):
@@ -42,21 +57,108 @@ class Extracted:
     body_s: float  # from the response headers to its last byte: the body's time on the link
 
 
+class Breaker:
+    """Whether a node is in rotation: out at once when it fails, back in once a probe of
+    it succeeds. Probes run in the background, the first ``BACKOFF_S[0]`` after the
+    failure and each next one twice as late, so a dead node costs no request any time."""
+
+    def __init__(self, name: str, probe: Callable[[], bool]) -> None:
+        self.name = name
+        self._probe = probe
+        self._lock = threading.Lock()
+        self._out = False
+        self._probing = False
+        self._backoff = BACKOFF_S[0]
+        self._retry_at = 0.0
+
+    def in_rotation(self) -> bool:
+        """True if requests may go to the node; starts the due probe of a node that is out."""
+        with self._lock:
+            if not self._out:
+                return True
+            if self._probing or time.monotonic() < self._retry_at:
+                return False
+            self._probing = True
+        _start_detached(self._run_probe)
+        return False
+
+    def trip(self, why: str) -> None:
+        """Take the node out of rotation now (it failed a request or a probe)."""
+        with self._lock:
+            if self._out:
+                return
+            self._out = True
+            self._retry_at = time.monotonic() + self._backoff
+        log.warning("storage node %s out of rotation (%s); probing it again in %.0f s", self.name, why, self._backoff)
+
+    def suspect(self) -> None:
+        """Probe the node now (a request to it is late), and take it out if the probe fails."""
+        with self._lock:
+            if self._out or self._probing:
+                return
+            self._probing = True
+        _start_detached(self._run_probe)
+
+    def _run_probe(self) -> None:
+        healthy = self._probe()
+        with self._lock:
+            self._probing = False
+            if healthy:
+                if self._out:
+                    log.warning("storage node %s answers again; back in rotation", self.name)
+                self._out, self._backoff = False, BACKOFF_S[0]
+                return
+            if self._out:
+                self._backoff = min(2 * self._backoff, BACKOFF_S[1])
+                self._retry_at = time.monotonic() + self._backoff
+                return
+        self.trip("no answer to /healthz within its deadline")
+
+
+class Pace:
+    """Recent request latencies of one node, per (split, dtype): the deadline to hedge by."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._recent: dict[tuple[int, str], deque[float]] = {}
+
+    def record(self, key: tuple[int, str], seconds: float) -> None:
+        with self._lock:
+            self._recent.setdefault(key, deque(maxlen=PACE_WINDOW)).append(seconds)
+
+    def slowest(self, key: tuple[int, str]) -> float | None:
+        """The slowest of the recent requests at ``key``; None before the first."""
+        with self._lock:
+            recent = self._recent.get(key)
+            return max(recent) if recent else None
+
+
+def hedge_deadline_s(slowest_s: float) -> float:
+    return max(HEDGE_FLOOR_S, HEDGE_MULTIPLE * slowest_s)
+
+
 class StorageClient:
-    """Keep-alive session to one daemon; retries refused (503) and failed connections."""
+    """Keep-alive session to one daemon, with its circuit breaker and its measured pace.
+
+    Refusals (503, the daemon's back-pressure) are waited out here; a failed connection is
+    not retried: the caller's failover sends the request to another node at once.
+    """
 
     def __init__(self, url: str, timeout_s: float = 600.0, retries: int = 5, pool_size: int = 8,
                  token: str | None = None) -> None:
-        """``token`` defaults to ``$HAPI_STORAGE_TOKEN``; sent as a bearer token when set."""
+        """``token`` defaults to ``$HAPI_STORAGE_TOKEN``; sent as a bearer token when set.
+        ``timeout_s`` bounds a wait for bytes; a hung node is hedged long before it."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         retry = Retry(
-            total=retries, connect=retries, read=retries, status=retries, backoff_factor=0.2,
-            # extract is idempotent, so a POST may be retried, also when a kept-alive connection
-            # was closed under it (read errors).
-            status_forcelist=(503,), allowed_methods=None,
+            total=None, connect=0, status=retries, backoff_factor=0.2,
+            # extract is idempotent, so a POST may be retried once when a kept-alive connection
+            # was closed under it (a read error); more would only delay failover from a dead node.
+            read=1, status_forcelist=(503,), allowed_methods=None,
             respect_retry_after_header=True, raise_on_status=False,
         )
+        self.breaker = Breaker(self.url, self._healthy)
+        self.pace = Pace()
         self.session = requests.Session()
         self.session.mount("http://", HTTPAdapter(max_retries=retry, pool_maxsize=pool_size))
         self.session.mount("https://", HTTPAdapter(max_retries=retry, pool_maxsize=pool_size))
@@ -64,16 +166,24 @@ class StorageClient:
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
 
-    def health(self) -> dict:
-        return self._json("GET", "/healthz")
+    def health(self, timeout_s: float | None = None) -> dict:
+        return self._json("GET", "/healthz", timeout_s)
+
+    def _healthy(self) -> bool:
+        try:
+            self.health(PROBE_TIMEOUT_S)
+        except StorageNodeError:
+            return False
+        return True
 
     def profile(self, request: ProfileRequest) -> dict:
         """The node's own timings of each frozen stage (``POST /v1/profile``)."""
         return self._json("POST", "/v1/profile", json=request.to_json())
 
-    def _json(self, method: str, path: str, **kwargs: object) -> dict:
+    def _json(self, method: str, path: str, timeout_s: float | None = None, **kwargs: object) -> dict:
+        timeout = (CONNECT_TIMEOUT_S, timeout_s or self.timeout_s)
         try:
-            response = self.session.request(method, self.url + path, timeout=self.timeout_s, **kwargs)
+            response = self.session.request(method, self.url + path, timeout=timeout, **kwargs)
         except requests.RequestException as exc:
             raise StorageNodeError(self.url, None, "unreachable", f"unreachable ({type(exc).__name__})") from None
         self._raise_for_error(response)
@@ -94,7 +204,7 @@ class StorageClient:
         for attempt in range(BODY_RETRIES + 1):
             try:
                 response = self.session.post(self.url + "/v1/extract", json=request.to_json(),
-                                             timeout=self.timeout_s, stream=True)
+                                             timeout=(CONNECT_TIMEOUT_S, self.timeout_s), stream=True)
             except requests.RequestException as exc:
                 raise StorageNodeError(self.url, None, "unreachable", f"unreachable ({type(exc).__name__})") from None
             self._raise_for_error(response)
@@ -128,3 +238,9 @@ def _read_body(response: requests.Response) -> bytearray:
             raise requests.ConnectionError(f"body ended after {filled} of {len(buffer)} bytes")
         filled += got
     return buffer
+
+
+def _start_detached(work: Callable[[], None]) -> None:
+    """Run ``work`` on a daemon thread: a probe hung on a stopped node holds up nothing,
+    not even the interpreter's exit."""
+    threading.Thread(target=work, daemon=True, name="probe").start()

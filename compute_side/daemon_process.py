@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -16,6 +17,8 @@ from pathlib import Path
 from compute_side.client import StorageClient, StorageNodeError
 
 log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def free_port() -> int:
@@ -32,22 +35,37 @@ def local_daemon(store_url: str, log_path: Path, extra_args: tuple[str, ...] = (
 
     The daemon gets its own session so a Ctrl-C reaches only us, and we stop it with
     SIGTERM (gunicorn's graceful shutdown) whatever happens, killing it if it lingers.
-    ``cpus`` pins it to those cores, to emulate a storage host beside the compute host.
+    Should we die without a word (kill -9), the kernel sends it SIGTERM (Linux). ``cpus``
+    pins it to those cores, to emulate a storage host beside the compute host.
     """
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "storage_side", "--store", store_url, "--port", str(port), *extra_args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    parent = os.getpid()
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
                                    env={**os.environ, **(env or {})}, start_new_session=True,
-                                   preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+                                   preexec_fn=lambda: _in_child(parent, cpus))
     try:
         _wait_healthy(process, url, log_path, start_timeout_s)
         log.info("storage daemon pid %d at %s (log: %s)", process.pid, url, log_path)
         yield url
     finally:
         stop_process_group(process)
+
+
+def _in_child(parent: int, cpus: set[int] | None) -> None:
+    """Runs in the daemon's process before it execs: dies with ``parent``, on ``cpus``."""
+    if sys.platform == "linux":
+        # PR_SET_PDEATHSIG fires when the thread that started the child exits: start local
+        # daemons from a thread that lives as long as the run (the main thread does).
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s: float) -> None:

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from compute_side.client import StorageClient, StorageNodeError
+from compute_side.client import Extracted, StorageClient, StorageNodeError, hedge_deadline_s
 from hapi.datasets import Sample, read_samples
+from hapi.models import StagedModel
 from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner, Reply
 from hapi.store import ObjectStore
 from hapi.transforms import TransformSpec, preprocess
-from hapi.wire import ExtractRequest
+from hapi.wire import WIRE_DTYPES, ExtractRequest
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +41,20 @@ class Part:
 
 
 class PushdownSource:
-    """Features extracted by storage daemons, spread round-robin over the nodes.
+    """Features extracted by storage daemons, spread round-robin over the nodes in rotation.
 
-    A node that is unreachable or fails (5xx) is skipped for the next one, so one dead
-    node loses nothing; a sample that cannot be read (404, 422) fails the run by its key.
+    Nothing is lost when nodes fail: a node that fails a request (unreachable, 5xx) is
+    taken out of rotation at once and the request goes to the next; a request past its
+    node's deadline (a multiple of that node's recent latencies) is hedged to another
+    node and the late node probed; when no node answers, ``fallback`` (if given) computes
+    the same features here. A sample that cannot be read (404, 422) fails the run by its key.
     """
 
-    def __init__(self, clients: Sequence[StorageClient], template: ExtractRequest) -> None:
+    def __init__(self, clients: Sequence[StorageClient], template: ExtractRequest,
+                 fallback: LocalPrefix | None = None) -> None:
         self.clients = list(clients)
         self.template = template
+        self.fallback = fallback
         self._turn = itertools.count()
 
     @property
@@ -56,22 +63,151 @@ class PushdownSource:
 
     def fetch(self, samples: Sequence[Sample], epoch: int) -> Part:
         request = replace(self.template, keys=tuple(s.key for s in samples), epoch=epoch)
+        started = time.perf_counter()
+        attempts: list[_Attempt] = []
+        tried: set[int] = set()  # each node gets one try per request
+        failure: StorageNodeError | None = None
+        while True:
+            pending = [a for a in attempts if not a.future.done()]
+            for attempt in (a for a in attempts if a.future.done()):
+                attempts.remove(attempt)
+                try:
+                    return self._part(request, attempt, started)
+                except StorageNodeError as exc:
+                    if exc.status is not None and exc.status < 500:
+                        raise  # the request or a sample is at fault, not the node
+                    attempt.client.breaker.trip(str(exc))
+                    failure = exc
+            overdue = [a for a in pending if a.overdue()]
+            for attempt in overdue:
+                attempt.client.breaker.suspect()
+            if not pending or len(overdue) == len(pending):
+                client = self._next_node(tried)
+                if client is not None:
+                    tried.add(id(client))
+                    attempts.append(_Attempt.start(client, request, self._deadline(client)))
+                    continue
+            if not any(a.client.breaker.in_rotation() for a in pending):
+                return self._no_node_answers(request, samples, started, failure)
+            # Wake at the next deadline, or soon after one passed to see the probe's verdict.
+            wait([a.future for a in pending], timeout=min(max(a.remaining(), POLL_S) for a in pending),
+                 return_when=FIRST_COMPLETED)
+
+    def _next_node(self, tried: set[int]) -> StorageClient | None:
+        """The next node in rotation not yet tried for this request, round-robin."""
         first = next(self._turn)
-        for attempt in range(len(self.clients)):
-            client = self.clients[(first + attempt) % len(self.clients)]
-            started = time.perf_counter()
+        for i in range(len(self.clients)):
+            client = self.clients[(first + i) % len(self.clients)]
+            if id(client) not in tried and client.breaker.in_rotation():
+                return client
+        return None
+
+    def _deadline(self, client: StorageClient) -> float:
+        """When to hedge a request to ``client``: by its own pace at this split, else by the
+        other nodes', else generously (a node's first request also loads the model)."""
+        key = (self.template.split, self.template.dtype)
+        slowest = client.pace.slowest(key)
+        if slowest is None:
+            others = [s for s in (c.pace.slowest(key) for c in self.clients) if s is not None]
+            slowest = max(others) if others else None
+        return hedge_deadline_s(slowest) if slowest is not None else FIRST_DEADLINE_S
+
+    def _part(self, request: ExtractRequest, attempt: _Attempt, started: float) -> Part:
+        extracted = attempt.future.result()
+        attempt.client.pace.record((request.split, request.dtype), time.perf_counter() - attempt.started)
+        body = (extracted.body_started, extracted.body_started + extracted.body_s)
+        return Part(extracted.features, request.split, request.dtype, extracted.wire_bytes,
+                    (time.perf_counter() - started) * 1e3, body, dict(extracted.metadata.get("timings", {})))
+
+    def _no_node_answers(self, request: ExtractRequest, samples: Sequence[Sample], started: float,
+                         failure: StorageNodeError | None) -> Part:
+        if self.fallback is None:
+            if failure is not None:
+                raise failure
+            raise StorageNodeError(", ".join(c.url for c in self.clients), None, "unreachable",
+                                   "no node in rotation answers")
+        part = self.fallback.fetch(request, samples)
+        return replace(part, elapsed_ms=(time.perf_counter() - started) * 1e3)
+
+
+# A request to a node with no measured pace at its split is hedged after this long: its
+# first request may load the model; a hung node at the very start costs this once.
+FIRST_DEADLINE_S = 30.0
+# How often a request past its deadline looks again whether its node was found dead.
+POLL_S = 0.2
+
+
+@dataclass
+class _Attempt:
+    """One node's try at a request, on a daemon thread: an attempt hung on a stopped node
+    is abandoned, never joined, so it holds up neither the run nor the interpreter's exit."""
+
+    client: StorageClient
+    future: Future[Extracted]
+    started: float  # perf_counter
+    deadline_s: float
+
+    @classmethod
+    def start(cls, client: StorageClient, request: ExtractRequest, deadline_s: float) -> _Attempt:
+        future: Future[Extracted] = Future()
+
+        def run() -> None:
+            future.set_running_or_notify_cancel()
             try:
-                extracted = client.extract(request)
-            except StorageNodeError as exc:
-                node_failed = exc.status is None or exc.status >= 500
-                if not node_failed or attempt == len(self.clients) - 1:
-                    raise
-                log.warning("%s; retrying on another node", exc)
-                continue
-            body = (extracted.body_started, extracted.body_started + extracted.body_s)
-            return Part(extracted.features, request.split, request.dtype, extracted.wire_bytes,
-                        (time.perf_counter() - started) * 1e3, body, dict(extracted.metadata.get("timings", {})))
-        raise AssertionError("unreachable: the loop returns or raises")
+                future.set_result(client.extract(request))
+            except BaseException as exc:  # handed to the waiting fetch, which decides
+                future.set_exception(exc)
+
+        threading.Thread(target=run, daemon=True, name="extract").start()
+        return cls(client, future, time.perf_counter(), deadline_s)
+
+    def remaining(self) -> float:
+        return self.started + self.deadline_s - time.perf_counter()
+
+    def overdue(self) -> bool:
+        return self.remaining() <= 0
+
+
+class LocalPrefix:
+    """The storage tier's work done here, for when no node answers: the raw objects read
+    with the store client and preprocessed exactly as ``RawObjectSource`` does, then the
+    model's frozen stages [0, split) in eval mode. Invariant 1 makes these the features a
+    node would have sent, so the part keeps the request's split and dtype and the trainer
+    and loader see no difference. It says so once per run."""
+
+    def __init__(self, store: ObjectStore, model: StagedModel) -> None:
+        self.store = store
+        self.model = model
+        self._lock = threading.Lock()
+        self._raw: dict[TransformSpec, RawObjectSource] = {}
+        self._warned = False
+
+    def fetch(self, request: ExtractRequest, samples: Sequence[Sample]) -> Part:
+        self._warn_once(request.split)
+        raw = self._raw_source(request.transform).fetch(samples, request.epoch)
+        started = time.perf_counter()
+        # The frozen stages are shared with the trainer, which keeps them in eval mode and
+        # never trains them (check_split: the split is never past the freeze index).
+        prefix = self.model.prefix(request.split).eval()
+        with torch.no_grad():  # not inference_mode: the trainer's head may take these as input
+            features = prefix(raw.features).to(WIRE_DTYPES[request.dtype])
+        timings = {**raw.timings, "local_forward_ms": (time.perf_counter() - started) * 1e3}
+        return Part(features, request.split, request.dtype, raw.wire_bytes, raw.elapsed_ms, raw.link_interval,
+                    timings)
+
+    def _raw_source(self, transform: TransformSpec) -> RawObjectSource:
+        with self._lock:
+            if transform not in self._raw:
+                self._raw[transform] = RawObjectSource(self.store, transform)
+            return self._raw[transform]
+
+    def _warn_once(self, split: int) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        log.warning("no storage node answers: reading raw objects and running stages [0, %d) here "
+                    "until one does", split)
 
 
 # GETs in flight in the all-in-compute baseline's loader.
@@ -108,11 +244,16 @@ FeatureSource = PushdownSource | RawObjectSource
 
 
 class Sources:
-    """The (train, validation) sources of each candidate, built once and kept."""
+    """The (train, validation) sources of each candidate, built once and kept.
+
+    Given the ``model``, pushdown sources fall back to running its prefix here when no
+    storage node answers; without it, they fail then.
+    """
 
     def __init__(self, clients: Sequence[StorageClient], store: ObjectStore, template: ExtractRequest,
-                 eval_transform: TransformSpec) -> None:
+                 eval_transform: TransformSpec, model: StagedModel | None = None) -> None:
         self.clients, self.store, self.template, self.eval_transform = list(clients), store, template, eval_transform
+        self.fallback = LocalPrefix(store, model) if model is not None else None
         self._built: dict[tuple[int, str], tuple[FeatureSource, FeatureSource]] = {}
 
     def build(self, split: int, dtype: str) -> tuple[FeatureSource, FeatureSource]:
@@ -123,8 +264,8 @@ class Sources:
                         RawObjectSource(self.store, self.eval_transform))
             else:
                 train = replace(self.template, split=split, dtype=dtype)
-                pair = (PushdownSource(self.clients, train),
-                        PushdownSource(self.clients, replace(train, transform=self.eval_transform)))
+                pair = (PushdownSource(self.clients, train, self.fallback),
+                        PushdownSource(self.clients, replace(train, transform=self.eval_transform), self.fallback))
             self._built[(split, dtype)] = pair
         return self._built[(split, dtype)]
 

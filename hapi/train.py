@@ -13,9 +13,11 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -68,7 +70,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
                    help="requests in flight while the trainer works (0: no overlap)")
     p.add_argument("--output-dir", type=Path, help="checkpoints and metrics.jsonl (default: CACHE/runs/...)")
-    p.add_argument("--resume", type=Path, help="a checkpoint.pt to continue from")
+    p.add_argument("--resume", type=Path, help="a checkpoint.pt to continue from, mid-epoch too")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="also checkpoint every N steps (always at each epoch's end and on SIGTERM)")
     deployment.add_arguments(p, default_cache_dir())
     p.add_argument("-v", "--verbose", action="store_true")
     return p
@@ -91,30 +95,121 @@ class Totals:
 
 
 class MetricsLog:
-    """One JSON line per iteration and per epoch, for plots and for the planner."""
+    """One JSON line per iteration and per epoch, for plots and for the planner.
 
-    def __init__(self, path: Path) -> None:
+    Every line carries its ``attempt``: 1 for a fresh run, one more for each later run in
+    the same directory (``--resume``).
+    Each attempt opens with a header line ``{"attempt": a, "resumed_from": {"epoch": e,
+    "batches_done": k} | null}``. A killed attempt's steps after its last checkpoint were
+    lost with it and are trained again by the next; ``read_ledger`` counts them once.
+    """
+
+    def __init__(self, path: Path, attempt: int, resumed_from: dict | None) -> None:
         self.path = path
+        self.attempt = attempt
         self.file = open(path, "a", buffering=1)
+        self.write({"resumed_from": resumed_from})
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps({"attempt": self.attempt, **record}) + "\n")
 
     def close(self) -> None:
         self.file.close()
 
 
+def last_attempt(path: Path) -> int:
+    """The highest attempt in a run's metrics so far (lines from before attempts count as 1); 0 if none."""
+    if not path.is_file():
+        return 0
+    return max((json.loads(line).get("attempt", 1) for line in path.read_text().splitlines()), default=0)
+
+
+def read_ledger(path: Path) -> dict[int, list[str]]:
+    """The keys trained in each epoch, in order, over all attempts of a run.
+
+    A header that resumes from (epoch e, k batches done) discards the step lines before it
+    at or after step k of epoch e: the killed attempt trained those after its checkpoint,
+    so what they did was lost, and the resumed attempt trains them again.
+    """
+    steps: dict[tuple[int, int], list[str]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        resumed = record.get("resumed_from", False)
+        if resumed:
+            point = (resumed["epoch"], resumed["batches_done"])
+            steps = {at: keys for at, keys in steps.items() if at < point}
+        elif "step" in record:
+            steps[(record["epoch"], record["step"])] = record["keys"]
+    ledger: dict[int, list[str]] = {}
+    for (epoch, _), keys in sorted(steps.items()):
+        ledger.setdefault(epoch, []).extend(keys)
+    return ledger
+
+
+class Stopped(Exception):
+    """SIGTERM: the run saved a checkpoint at a step boundary and stops."""
+
+
+class Checkpoints:
+    """Saves ``checkpoint.pt`` at epoch ends, every ``every`` steps, and on SIGTERM.
+
+    A checkpoint holds the epoch to continue and how many of its batches are done: the
+    epoch's order comes back from (seed, epoch), so a resumed run trains exactly the
+    batches that were not, and the RNG state, so a head with dropout draws the same masks.
+    """
+
+    def __init__(self, path: Path, setup: dict, trainer: HeadTrainer, every: int) -> None:
+        self.path, self.setup, self.trainer, self.every = path, setup, trainer, every
+        self.terminated = False
+
+    @contextmanager
+    def catching_sigterm(self) -> Iterator[None]:
+        """While inside, SIGTERM asks for a checkpoint at the next step boundary."""
+        def on_sigterm(signum: int, frame: object) -> None:
+            self.terminated = True
+        previous = signal.signal(signal.SIGTERM, on_sigterm)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def step_done(self, epoch: int, batches_done: int, last: bool) -> None:
+        """After each step; the epoch's last one is checkpointed with the epoch, after validation."""
+        if last:
+            return
+        if self.terminated or (self.every and batches_done % self.every == 0):
+            self.save(epoch, batches_done)
+        self.stop_if_terminated(epoch, batches_done)
+
+    def stop_if_terminated(self, epoch: int, batches_done: int) -> None:
+        if self.terminated:
+            raise Stopped(f"terminated: checkpoint saved after {batches_done} batches of epoch {epoch + 1}; "
+                          f"continue with --resume {self.path}")
+
+    def save(self, epoch: int, batches_done: int) -> None:
+        state = {"epoch": epoch, "batches_done": batches_done, "setup": self.setup,
+                 "trainer": self.trainer.state_dict(), "rng": torch.get_rng_state()}
+        # Written aside and renamed: a kill mid-save leaves the previous checkpoint whole.
+        partial = self.path.with_suffix(".partial")
+        torch.save(state, partial)
+        os.replace(partial, self.path)
+
+
 def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tuple[Sample, ...], epoch: int,
                     args: argparse.Namespace, metrics: MetricsLog, planner: OnlinePlanner | None = None,
-                    model: StagedModel | None = None) -> Totals:
-    order = epoch_order(samples, epoch, args.seed)
+                    model: StagedModel | None = None, checkpoints: Checkpoints | None = None,
+                    done: int = 0) -> Totals:
+    """Trains the epoch's batches after the first ``done`` (trained by an earlier attempt);
+    the totals count this attempt's steps only."""
+    batches = batches_of(epoch_order(samples, epoch, args.seed), args.batch_size)
     announced = len(planner.switches) if planner else 0
     if planner is not None:
         planner.restarted()
     totals = Totals()
     started = time.perf_counter()
-    with tqdm(total=len(order), desc=f"epoch {epoch + 1}/{args.epochs}", unit="img", leave=False) as bar:
-        for step, batch in enumerate(loader.epoch(batches_of(order, args.batch_size), epoch)):
+    with tqdm(total=len(samples), initial=sum(map(len, batches[:done])), desc=f"epoch {epoch + 1}/{args.epochs}",
+              unit="img", leave=False) as bar:
+        for step, batch in enumerate(loader.epoch(batches[done:], epoch), start=done):
             step_started = time.perf_counter()
             loss = trainer.train_step(batch.features, batch.labels, batch.split)
             compute_s = time.perf_counter() - step_started
@@ -133,6 +228,8 @@ def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tupl
                 announced = len(planner.switches)
             bar.update(n)
             bar.set_postfix(loss=f"{loss:.3f}")
+            if checkpoints is not None:
+                checkpoints.step_done(epoch, step + 1, last=step + 1 == len(batches))
     totals.seconds = time.perf_counter() - started
     return totals
 
@@ -205,11 +302,15 @@ def main(args: argparse.Namespace) -> int:
     # The split is not part of it: where features were computed never changes what is learned.
     setup = {"model": args.model, "weights": model.weights_id, "classes": len(manifest.classes),
              "batch_size": args.batch_size, "seed": args.seed}
-    start_epoch = 0
+    start_epoch, done, resumed_from = 0, 0, None
     if args.resume:
         checkpoint = load_checkpoint(args.resume, setup)
         trainer.load_state_dict(checkpoint["trainer"])
-        start_epoch = checkpoint["epoch"]
+        # Checkpoints from before mid-epoch ones have no batches_done or rng.
+        start_epoch, done = checkpoint["epoch"], checkpoint.get("batches_done", 0)
+        if "rng" in checkpoint:
+            torch.set_rng_state(checkpoint["rng"])
+        resumed_from = {"epoch": start_epoch, "batches_done": done}
     run_dir = args.output_dir or (args.resume.parent if args.resume else
                                   args.cache_dir / "runs" / f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -219,15 +320,18 @@ def main(args: argparse.Namespace) -> int:
     template = ExtractRequest(keys=(), model=args.model, split=0, weights=model.weights_id,
                               transform=replace(eval_transform, augment=args.augment),
                               dtype=args.dtype, job_id=f"train-{os.getpid()}")
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    attempt = last_attempt(run_dir / "metrics.jsonl") + 1
+    metrics = MetricsLog(run_dir / "metrics.jsonl", attempt, resumed_from)
+    checkpoints = Checkpoints(run_dir / "checkpoint.pt", setup, trainer, args.checkpoint_every)
     total = Totals()
     val = Totals()
     with ExitStack() as stack:
         stack.callback(metrics.close)
+        stack.enter_context(checkpoints.catching_sigterm())
         clients = ([] if fixed_split == ALL_IN_COMPUTE else
                    stack.enter_context(deployment.storage_nodes(args, store_url)))
         store = open_store(store_url, args.endpoint_url)
-        sources = Sources(clients, store, template, eval_transform)
+        sources = Sources(clients, store, template, eval_transform, model)
         val_samples = manifest.split("val")
         planner = None
         if fixed_split is None:
@@ -245,15 +349,17 @@ def main(args: argparse.Namespace) -> int:
               f"data set {manifest.name!r} at {store_url}; run in {run_dir}")
 
         for epoch in range(start_epoch, args.epochs):
-            stats = train_one_epoch(trainer, train_loader, train_samples, epoch, args, metrics, planner, model)
+            stats = train_one_epoch(trainer, train_loader, train_samples, epoch, args, metrics, planner, model,
+                                    checkpoints, done if epoch == start_epoch else 0)
             val = evaluate(trainer, val_loader, val_samples, args)
-            torch.save({"epoch": epoch + 1, "setup": setup, "trainer": trainer.state_dict()},
-                       run_dir / "checkpoint.pt")
+            checkpoints.save(epoch + 1, 0)
             metrics.write({"epoch": epoch, "train": asdict(stats), "val": asdict(val)})
             print(f"epoch {epoch + 1}: train loss {stats.loss_sum / stats.samples:.4f}, "
                   f"{stats.samples / stats.seconds:.1f} samples/s | "
                   f"val loss {val.loss_sum / val.samples:.4f}, accuracy {val.correct / val.samples:.3f}")
             total.add(stats)
+            if epoch + 1 < args.epochs:  # a SIGTERM in the last validation stops nothing left to do
+                checkpoints.stop_if_terminated(epoch + 1, 0)
         if planner is not None and args.explain:
             print(planner.explain(model.stage_names))
     if total.samples:
@@ -292,6 +398,9 @@ def cli(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; storage daemon stopped", file=sys.stderr)
         return 130
+    except Stopped as stopped:
+        print(stopped, file=sys.stderr)
+        return 128 + signal.SIGTERM
     except (StorageNodeError, MissingObjectError, CorruptImageError, DatasetNotFoundError, ValueError,
             RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
