@@ -10,15 +10,17 @@ from pathlib import Path
 
 from compute_side.client import StorageClient
 from compute_side.daemon_process import local_daemon
-from hapi.datasets import DatasetNotFoundError, Manifest, load_manifest, make_synthetic
+from hapi.datasets import PACKAGED, DatasetNotFoundError, Manifest, load_manifest, make_packaged, make_synthetic
 from hapi.store import open_store
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser, default_cache_dir: Path) -> None:
-    group = parser.add_argument_group("deployment (default: the embedded synthetic data set)")
+    group = parser.add_argument_group("deployment (default: an embedded data set, made once in --cache-dir)")
     group.add_argument("--store", help="s3://bucket/prefix or file:///path of a data set")
+    group.add_argument("--dataset", choices=("synthetic", *PACKAGED), default="synthetic",
+                       help="the embedded data set without --store: synthetic, or real images a package ships")
     group.add_argument("--endpoint-url", help="S3 endpoint of --store; default $AWS_ENDPOINT_URL")
     group.add_argument("--storage-node", action="append", default=[],
                        help="URL of a running storage daemon (repeatable); default: start one locally")
@@ -28,17 +30,20 @@ def add_arguments(parser: argparse.ArgumentParser, default_cache_dir: Path) -> N
 
 
 def open_dataset(args: argparse.Namespace) -> tuple[str, Manifest]:
-    """The data set's store URL and manifest; creates the embedded default if needed."""
+    """The data set's store URL and manifest; creates the embedded one (``--dataset``) if needed."""
     if args.store:
         store = open_store(args.store, args.endpoint_url)
         return store.url, load_manifest(store)
-    name = f"synthetic-{args.train_per_class}x{args.val_per_class}"
+    synthetic = args.dataset == "synthetic"
+    name = f"synthetic-{args.train_per_class}x{args.val_per_class}" if synthetic else args.dataset
     store = open_store((args.cache_dir / "datasets" / name).resolve().as_uri())
     try:
         return store.url, load_manifest(store)
     except DatasetNotFoundError:
-        log.info("creating the synthetic data set in %s (once)", store.url)
-        return store.url, make_synthetic(store, args.train_per_class, args.val_per_class)
+        log.info("creating the %s data set in %s (once)", args.dataset, store.url)
+        if synthetic:
+            return store.url, make_synthetic(store, args.train_per_class, args.val_per_class)
+        return store.url, make_packaged(store, args.dataset)
 
 
 @contextmanager

@@ -1,16 +1,17 @@
-"""Data sets in an object store: manifests, shards, the synthetic set, uploads.
+"""Data sets in an object store: manifests, shards, the synthetic set, packaged real images, uploads.
 
 A data set is described by one manifest object, written last at upload, that lists every
 sample as (key, label, size) per split, so training never LISTs a bucket. A sample is
 either one object (``train/cat/000001.jpg``) or a member of a tar shard object
 (``shards/train-00000.tar#train/cat/000001.jpg``), as the reference bundled 128 images per object.
 
-CLI: ``python -m hapi.datasets {synthetic,upload,describe} ...``
+CLI: ``python -m hapi.datasets {synthetic,packaged,upload,describe} ...``
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import io
 import json
 import logging
@@ -22,6 +23,8 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
 from hapi import synthetic
@@ -223,6 +226,79 @@ def make_synthetic(store: ObjectStore, train_per_class: int, val_per_class: int,
 
 
 @dataclass(frozen=True)
+class PackagedImages:
+    """A real-image data set that ships inside an installed package, so it exists offline."""
+
+    name: str
+    classes: tuple[str, ...]
+    module: str  # the import package that ships it
+    distribution: str  # the name pip installs that package by
+    # uint8 images, (N, H, W) grey or (N, H, W, 3) RGB, and their labels (indices into classes)
+    load: Callable[[], tuple[np.ndarray, np.ndarray]]
+
+
+def _lfw_subset() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-image's 200 25x25 grey crops of Labeled Faces in the Wild: 100 faces, then 100 not."""
+    from skimage.data import lfw_subset
+
+    images = (lfw_subset() * 255).round().astype(np.uint8)
+    return images, np.repeat(np.arange(2), len(images) // 2)
+
+
+PACKAGED: dict[str, PackagedImages] = {
+    source.name: source
+    for source in (
+        PackagedImages("lfw", ("face", "not_face"), "skimage", "scikit-image", _lfw_subset),
+    )
+}
+PACKAGED_VAL_EVERY = 5  # every fifth image of a class is a validation sample
+PACKAGED_JPEG_QUALITY = 95
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    """Maps an object key to bytes encoded up front (picklable, for the process pool)."""
+
+    blobs: dict[str, bytes]
+
+    def __call__(self, key: str, _label: int) -> bytes:
+        return self.blobs[key]
+
+
+def _jpeg(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="JPEG", quality=PACKAGED_JPEG_QUALITY)
+    return buffer.getvalue()
+
+
+def make_packaged(store: ObjectStore, name: str, per_class: int | None = None, shard_size: int = 0) -> Manifest:
+    """Upload the packaged real-image set ``name`` to ``store`` as JPEG objects.
+
+    Every ``PACKAGED_VAL_EVERY``-th image of a class goes to val. ``per_class`` keeps only
+    the first that many images of each class (a small set for tests).
+    """
+    if name not in PACKAGED:
+        raise DatasetNotFoundError(f"no packaged data set {name!r}; choose one of {', '.join(PACKAGED)}")
+    source = PACKAGED[name]
+    if importlib.util.find_spec(source.module) is None:
+        raise DatasetNotFoundError(f"data set {name!r} ships in {source.distribution}, not installed here: "
+                                   f"pip install {source.distribution} (or 'hapi[pretrained]')")
+    images, labels = source.load()
+    items: dict[str, list[tuple[str, int]]] = {"train": [], "val": []}
+    blobs: dict[str, bytes] = {}
+    seen = [0] * len(source.classes)
+    for image, label in zip(images, labels.tolist()):
+        index, seen[label] = seen[label], seen[label] + 1
+        if per_class is not None and index >= per_class:
+            continue
+        split = "val" if index % PACKAGED_VAL_EVERY == 0 else "train"
+        key = f"{split}/{source.classes[label]}/{index:06d}.jpg"
+        items[split].append((key, label))
+        blobs[key] = _jpeg(image)
+    return write_dataset(store, name, source.classes, items, _Encoded(blobs), shard_size)
+
+
+@dataclass(frozen=True)
 class _FileReader:
     """Maps an object key back to its local file (picklable, for the process pool)."""
 
@@ -277,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
     synth.add_argument("--train-per-class", type=int, default=96)
     synth.add_argument("--val-per-class", type=int, default=24)
     synth.add_argument("--shard-size", type=int, default=0, help="images per tar object (0: one per object)")
+    packaged = sub.add_parser("packaged", help="upload a real-image data set that ships in a package, as JPEGs")
+    packaged.add_argument("name", choices=sorted(PACKAGED))
+    packaged.add_argument("--per-class", type=int, help="keep only the first N images of each class")
+    packaged.add_argument("--shard-size", type=int, default=0, help="images per tar object (0: one per object)")
     upload = sub.add_parser("upload", help="upload a local ImageFolder tree")
     upload.add_argument("root", type=Path)
     upload.add_argument("--val-fraction", type=float, default=0.2)
@@ -290,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             store.ensure_bucket()
         if args.command == "synthetic":
             manifest = make_synthetic(store, args.train_per_class, args.val_per_class, args.shard_size)
+        elif args.command == "packaged":
+            manifest = make_packaged(store, args.name, args.per_class, args.shard_size)
         elif args.command == "upload":
             manifest = upload_image_folder(store, args.root, args.val_fraction, args.shard_size)
         else:
