@@ -25,7 +25,7 @@ def test_train_through_a_daemon_over_swift(swift_s3, tmp_path, capsys, shard_siz
     ratio = float(re.search(r"([\d.]+)x less", out).group(1))
     assert ratio > 8
     log = (tmp_path / "daemon.log").read_text()
-    assert "POST /v1/extract" in log  # served by the daemon, through gunicorn's access log
+    assert "storage_side.app INFO extract job=" in log and "split=11" in log  # the daemon ran the prefix
 
 
 def test_daemon_reports_a_missing_swift_object_by_key(swift_s3, tmp_path, capsys) -> None:
