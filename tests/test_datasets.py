@@ -1,3 +1,5 @@
+import importlib.util
+import io
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -9,6 +11,7 @@ from hapi.datasets import (
     DatasetNotFoundError,
     Manifest,
     load_manifest,
+    make_packaged,
     make_synthetic,
     read_samples,
     upload_image_folder,
@@ -38,6 +41,46 @@ def test_synthetic_set_round_trips_through_its_manifest(tmp_path, pool, shard_si
     assert blobs[samples.index(first)] == render_jpeg(3, 0)
     objects = {s.object_key for s in samples}
     assert len(objects) == (3 if shard_size else 20)
+
+
+needs_scikit_image = pytest.mark.skipif(importlib.util.find_spec("skimage") is None,
+                                        reason="scikit-image is not installed (pip install 'hapi[pretrained]')")
+
+
+@needs_scikit_image
+def test_packaged_real_images_are_uploaded_as_labelled_jpeg_objects(tmp_path, pool) -> None:
+    store = FileStore(tmp_path)
+    written = make_packaged(store, "lfw", per_class=10)
+    manifest = load_manifest(store)
+    assert manifest == written and manifest.name == "lfw" and manifest.classes == ("face", "not_face")
+    train, val = manifest.split("train"), manifest.split("val")
+    # Every fifth image of each class is a validation sample.
+    assert len(train) == 16 and len(val) == 4
+    assert [s.key for s in val] == ["val/face/000000.jpg", "val/face/000005.jpg",
+                                    "val/not_face/000000.jpg", "val/not_face/000005.jpg"]
+    for sample in train + val:
+        assert sample.label == manifest.classes.index(sample.key.split("/")[1])
+    blobs = read_samples(store, [s.key for s in train], pool)
+    assert [len(b) for b in blobs] == [s.size for s in train]
+    for blob in blobs:
+        with Image.open(io.BytesIO(blob)) as image:
+            assert image.format == "JPEG" and image.size == (25, 25)
+    from skimage.data import lfw_subset
+
+    first_face = np.asarray(Image.open(io.BytesIO(blobs[0])), dtype=np.float64) / 255
+    assert np.abs(first_face - lfw_subset()[1]).mean() < 0.02  # train/face/000001.jpg, through JPEG
+
+
+@needs_scikit_image
+def test_cli_uploads_a_packaged_data_set(tmp_path, capsys) -> None:
+    assert datasets.main(["--store", tmp_path.as_uri(), "packaged", "lfw", "--per-class", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "data set 'lfw': 2 classes" in out and "train       8 samples in 8 objects" in out
+
+
+def test_unknown_packaged_data_set_names_the_choices(tmp_path) -> None:
+    with pytest.raises(DatasetNotFoundError, match="no packaged data set 'cifar'; choose one of lfw"):
+        make_packaged(FileStore(tmp_path), "cifar")
 
 
 def test_read_samples_keeps_request_order_and_names_missing_members(tmp_path, pool) -> None:
