@@ -71,12 +71,20 @@ class Breaker:
         self._backoff = BACKOFF_S[0]
         self._retry_at = 0.0
 
+    @property
+    def out(self) -> bool:
+        """Whether the node failed and no probe has brought it back yet."""
+        return self._out
+
     def in_rotation(self) -> bool:
-        """True if requests may go to the node; starts the due probe of a node that is out."""
+        """True if new requests may go to the node: it is neither out nor being probed (a
+        late node gets no more work until its probe's verdict). Starts a due probe."""
         with self._lock:
+            if self._probing:
+                return False
             if not self._out:
                 return True
-            if self._probing or time.monotonic() < self._retry_at:
+            if time.monotonic() < self._retry_at:
                 return False
             self._probing = True
         _start_detached(self._run_probe)
@@ -159,31 +167,28 @@ class StorageClient:
         )
         self.breaker = Breaker(self.url, self._healthy)
         self.pace = Pace()
-        self.session = requests.Session()
-        self.session.mount("http://", HTTPAdapter(max_retries=retry, pool_maxsize=pool_size))
-        self.session.mount("https://", HTTPAdapter(max_retries=retry, pool_maxsize=pool_size))
-        token = token or os.environ.get(TOKEN_ENV)
-        if token:
-            self.session.headers["Authorization"] = f"Bearer {token}"
+        self.session = _session(retry, pool_size, token or os.environ.get(TOKEN_ENV))
+        # Probes are never retried: a late answer is the verdict.
+        self._probes = _session(Retry(0), 1, token or os.environ.get(TOKEN_ENV))
 
-    def health(self, timeout_s: float | None = None) -> dict:
-        return self._json("GET", "/healthz", timeout_s)
+    def health(self) -> dict:
+        return self._json("GET", "/healthz")
 
     def _healthy(self) -> bool:
         try:
-            self.health(PROBE_TIMEOUT_S)
-        except StorageNodeError:
+            response = self._probes.get(self.url + "/healthz", timeout=(CONNECT_TIMEOUT_S, PROBE_TIMEOUT_S))
+        except requests.RequestException:
             return False
-        return True
+        return response.ok
 
     def profile(self, request: ProfileRequest) -> dict:
         """The node's own timings of each frozen stage (``POST /v1/profile``)."""
         return self._json("POST", "/v1/profile", json=request.to_json())
 
-    def _json(self, method: str, path: str, timeout_s: float | None = None, **kwargs: object) -> dict:
-        timeout = (CONNECT_TIMEOUT_S, timeout_s or self.timeout_s)
+    def _json(self, method: str, path: str, **kwargs: object) -> dict:
         try:
-            response = self.session.request(method, self.url + path, timeout=timeout, **kwargs)
+            response = self.session.request(method, self.url + path, timeout=(CONNECT_TIMEOUT_S, self.timeout_s),
+                                            **kwargs)
         except requests.RequestException as exc:
             raise StorageNodeError(self.url, None, "unreachable", f"unreachable ({type(exc).__name__})") from None
         self._raise_for_error(response)
@@ -222,6 +227,15 @@ class StorageClient:
         if keys != request.keys:
             raise StorageNodeError(self.url, response.status_code, "bad_response", "features for other keys")
         return Extracted(features, keys, metadata, len(blob), started, body_s)
+
+
+def _session(retry: Retry, pool_size: int, token: str | None) -> requests.Session:
+    session = requests.Session()
+    session.mount("http://", HTTPAdapter(max_retries=retry, pool_maxsize=pool_size))
+    session.mount("https://", HTTPAdapter(max_retries=retry, pool_maxsize=pool_size))
+    if token:
+        session.headers["Authorization"] = f"Bearer {token}"
+    return session
 
 
 def _read_body(response: requests.Response) -> bytearray:

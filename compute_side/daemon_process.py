@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from compute_side.client import StorageClient, StorageNodeError
@@ -27,11 +28,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class LocalDaemon:
+    url: str
+    pid: int  # also its process group's id: signal the group to fault the node whole
+
+
 @contextmanager
 def local_daemon(store_url: str, log_path: Path, extra_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, start_timeout_s: float = 60.0,
                  cpus: set[int] | None = None) -> Iterator[str]:
-    """Run ``python -m storage_side`` on a free loopback port; yield its URL; stop it after.
+    """Run ``python -m storage_side`` on a free loopback port; yield its URL; stop it after."""
+    with local_daemon_process(store_url, log_path, extra_args, env, start_timeout_s, cpus) as daemon:
+        yield daemon.url
+
+
+@contextmanager
+def local_daemon_process(store_url: str, log_path: Path, extra_args: tuple[str, ...] = (),
+                         env: dict[str, str] | None = None, start_timeout_s: float = 60.0,
+                         cpus: set[int] | None = None) -> Iterator[LocalDaemon]:
+    """``local_daemon``, yielding its process id too (fault injection kills or stops it).
 
     The daemon gets its own session so a Ctrl-C reaches only us, and we stop it with
     SIGTERM (gunicorn's graceful shutdown) whatever happens, killing it if it lingers.
@@ -50,7 +66,7 @@ def local_daemon(store_url: str, log_path: Path, extra_args: tuple[str, ...] = (
     try:
         _wait_healthy(process, url, log_path, start_timeout_s)
         log.info("storage daemon pid %d at %s (log: %s)", process.pid, url, log_path)
-        yield url
+        yield LocalDaemon(url, process.pid)
     finally:
         stop_process_group(process)
 

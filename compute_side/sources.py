@@ -87,11 +87,20 @@ class PushdownSource:
                     tried.add(id(client))
                     attempts.append(_Attempt.start(client, request, self._deadline(client)))
                     continue
-            if not any(a.client.breaker.in_rotation() for a in pending):
+            if self._none_left(pending, tried):
                 return self._no_node_answers(request, samples, started, failure)
+            if not pending:  # a node is being probed: its verdict comes within the probe's timeout
+                time.sleep(POLL_S)
+                continue
             # Wake at the next deadline, or soon after one passed to see the probe's verdict.
             wait([a.future for a in pending], timeout=min(max(a.remaining(), POLL_S) for a in pending),
                  return_when=FIRST_COMPLETED)
+
+    def _none_left(self, pending: list[_Attempt], tried: set[int]) -> bool:
+        """Whether no node can answer: the pending attempts' nodes are out, and so is every
+        node not yet tried (a merely late node being probed is still waited for)."""
+        return (all(a.client.breaker.out for a in pending)
+                and all(c.breaker.out for c in self.clients if id(c) not in tried))
 
     def _next_node(self, tried: set[int]) -> StorageClient | None:
         """The next node in rotation not yet tried for this request, round-robin."""
@@ -114,7 +123,9 @@ class PushdownSource:
 
     def _part(self, request: ExtractRequest, attempt: _Attempt, started: float) -> Part:
         extracted = attempt.future.result()
-        attempt.client.pace.record((request.split, request.dtype), time.perf_counter() - attempt.started)
+        # A node's first request also loads the model: its pace is what it took beyond that.
+        load_s = float(extracted.metadata.get("timings", {}).get("load_ms", 0.0)) / 1e3
+        attempt.client.pace.record((request.split, request.dtype), time.perf_counter() - attempt.started - load_s)
         body = (extracted.body_started, extracted.body_started + extracted.body_s)
         return Part(extracted.features, request.split, request.dtype, extracted.wire_bytes,
                     (time.perf_counter() - started) * 1e3, body, dict(extracted.metadata.get("timings", {})))
