@@ -63,7 +63,7 @@ class Outcome:
     fault: str
     seconds: float
     returncode: int
-    exactly_once: bool
+    exactly_once: bool | None  # None: no training outcome to check (the trainer was killed for good)
     head_diff: float | None  # largest absolute difference from the undisturbed head; None: no head
     note: str = ""
 
@@ -136,6 +136,12 @@ def head_diff(run_dir: Path, reference: Path | None) -> float | None:
     return max(((ours[k].float() - theirs[k].float()).abs().max().item() for k in theirs), default=0.0)
 
 
+def step_records(run_dir: Path) -> list[dict]:
+    """Every step line of a run's metrics.jsonl, of all its attempts."""
+    lines = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in lines if "step" in r]
+
+
 def exactly_once(setup: Setup, run_dir: Path) -> bool:
     ledger = read_ledger(run_dir / "metrics.jsonl")
     return (sorted(ledger) == list(range(setup.epochs))
@@ -202,8 +208,7 @@ def local_daemon_dies_with_trainer(setup: Setup, run_dir: Path, fault_after: int
     left = [p for p in daemon_pids if _alive(p)]
     note = (f"daemon still running: {left}" if left else f"daemon gone {gone_s:.1f} s after") if daemon_pids \
         else "no daemon found"
-    return Outcome("kill -9 of a trainer with its own daemon", gone_s, -9, not left and bool(daemon_pids), None,
-                   note)
+    return Outcome("kill -9 of a trainer with its own daemon", gone_s, -signal.SIGKILL, None, None, note)
 
 
 def _alive(pid: int) -> bool:
@@ -232,8 +237,12 @@ def table(rows: list[Outcome], reference_s: float) -> str:
         head = "-" if r.head_diff is None else "identical" if r.head_diff == 0 else f"max diff {r.head_diff:.1e}"
         ratio = "-" if r.fault.startswith("kill -9 of a trainer with") else f"{r.seconds / reference_s:.2f}x"
         lines.append(f"{r.fault:44s} {r.returncode:4d} {r.seconds:8.1f} {ratio:>8s} "
-                     f"{'yes' if r.exactly_once else 'NO':>16s} {head:>20s}  {r.note}")
+                     f"{_yes_no(r.exactly_once):>16s} {head:>20s}  {r.note}")
     return "\n".join(lines)
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "NO"
 
 
 def main() -> None:
