@@ -15,8 +15,9 @@ import pytest
 import requests
 import torch
 
+from compute_side import client as client_module
 from compute_side import daemon_process
-from compute_side.client import StorageClient, StorageNodeError
+from compute_side.client import Breaker, StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
 from hapi.datasets import Manifest, make_synthetic
 from hapi.models import build_model
@@ -216,3 +217,52 @@ def test_daemon_that_cannot_start_reports_its_log(spawned, tmp_path: Path) -> No
             pytest.fail("a daemon for an ftp:// store must not come up")
     assert "ftp://nowhere/x" in str(caught.value)  # the log tail says why
     assert not _group_alive(spawned[0].pid)
+
+
+# --- circuit breaker -----------------------------------------------------------------
+
+
+def _until(condition, timeout_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_failed_node_is_out_at_once_and_probed_back_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_module, "BACKOFF_S", (0.05, 0.2))
+    healthy = {"now": False, "probes": 0}
+
+    def probe() -> bool:
+        healthy["probes"] += 1
+        return healthy["now"]
+
+    breaker = Breaker("node", probe)
+    assert breaker.in_rotation()
+    breaker.trip("unreachable")
+    assert breaker.out and not breaker.in_rotation()  # no probe before the backoff
+    assert healthy["probes"] == 0
+    time.sleep(0.06)
+    assert not breaker.in_rotation()  # starts the due probe, which fails: the backoff doubles
+    assert _until(lambda: healthy["probes"] == 1) and breaker.out
+    healthy["now"] = True
+    assert _until(lambda: breaker.in_rotation())  # the next due probe brings it back
+    assert not breaker.out
+
+
+def test_a_late_node_is_probed_and_gets_no_work_meanwhile() -> None:
+    answer = {"ready": False}
+    breaker = Breaker("node", lambda: _until(lambda: answer["ready"]) and False)
+    breaker.suspect()
+    assert not breaker.in_rotation() and not breaker.out  # under probe: not out yet, but no new requests
+    answer["ready"] = True
+    assert _until(lambda: breaker.out)  # the probe failed
+
+
+def test_a_dead_node_costs_no_retries(node: Node) -> None:
+    # Connection refused is final at once: failover, not retries with backoff, handles it.
+    dead = StorageClient(f"http://127.0.0.1:{free_port()}")  # the defaults, as a run uses them
+    started = time.monotonic()
+    with pytest.raises(StorageNodeError):
+        dead.extract(_request(node.keys(1)))
+    assert time.monotonic() - started < 0.5

@@ -1,12 +1,19 @@
-"""Feature sources: failover across storage nodes, and the raw-object baseline."""
+"""Feature sources: failover and hedging across storage nodes, the local fallback, and the raw-object baseline."""
+
+import logging
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 import torch
 
-from compute_side.client import StorageClient, StorageNodeError
+from compute_side.client import HEDGE_FLOOR_S, PROBE_TIMEOUT_S, StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
-from compute_side.sources import PushdownSource, RawObjectSource
+from compute_side.sources import LocalPrefix, PushdownSource, RawObjectSource
 from hapi.datasets import Sample, make_synthetic
+from hapi.models import build_model
 from hapi.store import FileStore
 from hapi.transforms import TransformSpec
 from hapi.wire import ExtractRequest
@@ -65,3 +72,47 @@ def test_raw_objects_give_the_inputs_the_daemon_would_compute(data, node) -> Non
     assert torch.equal(raw.features, pushed.features)
     assert raw.wire_bytes == sum(s.size for s in samples[:6])  # raw objects cross the network
     assert pushed.wire_bytes > 3 * 32 * 32 * 4 * 6  # decoded float32 tensors are larger
+
+
+@pytest.fixture
+def hung() -> Iterator[StorageClient]:
+    """A node that accepts connections and never answers, as a SIGSTOPped daemon does."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)  # the kernel completes connects; nobody ever reads
+        yield StorageClient(f"http://127.0.0.1:{listener.getsockname()[1]}")
+
+
+def test_a_hung_node_is_hedged_by_its_pace(data, node, hung) -> None:
+    _, samples = data
+    hung.pace.record((4, "float32"), 0.1)  # measured before it hung: deadline at the floor
+    source = PushdownSource([hung, node], _template())
+    started = time.monotonic()
+    part = source.fetch(samples[:4], epoch=0)
+    assert time.monotonic() - started < HEDGE_FLOOR_S + 3
+    assert len(part.features) == 4
+    deadline = time.monotonic() + PROBE_TIMEOUT_S + 2
+    while not hung.breaker.out and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hung.breaker.out  # its /healthz went unanswered: out of rotation
+    started = time.monotonic()
+    source.fetch(samples[4:8], epoch=0)
+    assert time.monotonic() - started < HEDGE_FLOOR_S  # the next request goes straight to the live node
+
+
+def test_no_node_answers_computes_the_same_features_here(data, node, caplog) -> None:
+    store, samples = data
+    model = build_model("resnet18", input_size=TRANSFORM.crop_size)
+    fallback = LocalPrefix(store, model)
+    dead = PushdownSource([_dead(), _dead()], _template(), fallback)
+    with caplog.at_level(logging.WARNING, logger="compute_side.sources"):
+        parts = [dead.fetch(samples[i: i + 3], epoch=0) for i in (0, 3)]
+    assert [r.message for r in caplog.records].count(
+        "no storage node answers: reading raw objects and running stages [0, 4) here until one does") == 1
+    pushed = PushdownSource([node], _template()).fetch(samples[:6], epoch=0)
+    local = torch.cat([p.features for p in parts])
+    assert [(p.split, p.dtype) for p in parts] == [(4, "float32")] * 2
+    torch.testing.assert_close(local, pushed.features)
+    assert parts[0].wire_bytes == sum(s.size for s in samples[:3])  # raw objects crossed the network
+    half = PushdownSource([_dead()], replace(_template(), dtype="bfloat16"), fallback).fetch(samples[:3], epoch=0)
+    assert half.features.dtype == torch.bfloat16 and half.dtype == "bfloat16"
