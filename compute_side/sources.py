@@ -293,9 +293,15 @@ class Planned:
         return self.planner.settled
 
     def pick(self, samples: int) -> FeatureSource:
-        candidate = self.planner.pick(samples)
+        candidate = self.planner.pick(samples, training=not self.validation)
         return self.sources.build(candidate.split, candidate.dtype)[self.validation]
 
     def arrived(self, part: Part, samples: int) -> None:
-        self.planner.arrived(Reply(part.split, part.dtype, samples, part.wire_bytes, part.link_interval,
-                                   part.timings))
+        # The link's share of a request is all its time but the node's own work: the request
+        # and the reply's headers, too, cross the link, and a short reply's body alone is
+        # read at the rate of a shaper's burst or of an unthrottled first window.
+        start, end = part.link_interval
+        if part.split != ALL_IN_COMPUTE:
+            node_ms = sum(ms for name, ms in part.timings.items() if name != "shared_wait_ms")
+            start = min(start, end - max(part.elapsed_ms - node_ms, 0.0) / 1e3)
+        self.planner.arrived(Reply(part.split, part.dtype, samples, part.wire_bytes, (start, end), part.timings))

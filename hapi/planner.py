@@ -15,17 +15,18 @@ or all-in-compute, which ships the raw objects):
 
     storage(s)  = node_fixed + node_scale x forward[0, s) + node_unseen
     transfer(s) = bytes of stage s-1's output / bandwidth        (all-in-compute: the objects)
-    compute(s)  = forward[s, freeze) + train + compute_unseen     (all-in-compute: + decode)
+    compute(s)  = compute_scale x (forward[s, freeze) + train)    (all-in-compute: + decode)
     pace(s)     = max(storage, transfer, compute)
 
 The stages overlap (the next batches are read while this one trains), so the slowest
 sets the pace. ``forward``, ``train`` and ``decode`` are this host's measured profile
-(``hapi.measure``): this tier runs them as profiled, and a stage's share of the node's
-prefix is the model's, while the node's speed (``node_scale``, ``node_fixed``: from the
-node's own timings) and the bandwidth are learned from the replies. In steady state the
-pace is the real cost of the slowest stage, so what a run measures beyond the model's
-bottleneck is that tier's unseen cost (the store's CPU beside the node, HTTP, the GIL,
-stages that overlap imperfectly) and is charged to it: ``node_unseen`` or ``compute_unseen``.
+(``hapi.measure``): a stage's share of the node's prefix is the model's, while the node's
+speed (``node_scale``, ``node_fixed``: from the node's own timings) and the bandwidth are
+learned from the replies. In steady state the pace is the real cost of the slowest stage,
+so what a run measures beyond the model's bottleneck is charged to that tier: to the node
+as a cost per sample its timings leave out (``node_unseen``: the store's CPU beside it,
+HTTP), to this tier as a factor on its profiled work (``compute_scale``: the loader's
+threads and the GIL beside the training step).
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ EXPLORE_SHARE = 0.05
 # 1 Mbit/s to 10 Gbit/s.
 LINKS = tuple(125e3 * 10 ** (i / 3) for i in range(13))
 RECENT = 8  # observations a measurement is the median of: recent enough to follow drift
-MIN_READINGS = 2  # steady-state readings of a candidate moved to before the next move: a median needs two
 # A pace measured at a candidate stands while the link stays within this share of what it
 # was then (shaped and shared links read within about 10% from one window to the next);
 # beyond it the link has changed, and the model prices the candidate again.
@@ -67,7 +67,7 @@ class Conditions:
     node_scale: float = 1.0  # the node's forward time per stage / this host's
     node_fixed_ms: float | None = None  # the node's work per sample beside the prefix; None: this host's decode
     node_unseen_ms: float = 0.0  # per sample, the node's cost its timings leave out
-    compute_unseen_ms: float = 0.0  # per sample, this tier's cost its profile leaves out
+    compute_scale: float = 1.0  # this tier's cost in training / its profile
 
 
 @dataclass(frozen=True)
@@ -107,16 +107,16 @@ def price(profile: HostProfile, freeze: int, conditions: Conditions, split: int,
     """The cost model's candidate at ``split`` (see the module's docstring)."""
     forward = profile.forward_ms
     bandwidth = conditions.bandwidth or math.inf
-    compute_ms = sum(forward[max(split, 0):freeze]) + profile.train_ms + conditions.compute_unseen_ms
+    work_ms = sum(forward[max(split, 0):freeze]) + profile.train_ms
     if split == ALL_IN_COMPUTE:
-        per_sample = conditions.raw_bytes
-        storage_ms = 0.0  # the store serves the objects; the link and this tier's decode are the work
-        compute_ms += profile.decode_ms
+        # The store serves the objects; the link and this tier's decode are the work.
+        per_sample, storage_ms, work_ms = conditions.raw_bytes, 0.0, work_ms + profile.decode_ms
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
         fixed = profile.decode_ms if conditions.node_fixed_ms is None else conditions.node_fixed_ms
         storage_ms = fixed + conditions.node_scale * sum(forward[:split]) + conditions.node_unseen_ms
+    compute_ms = conditions.compute_scale * work_ms
     transfer_ms = per_sample / bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
     pace_ms = max(stages)
@@ -160,9 +160,66 @@ def safest(options: list[Candidate], profile: HostProfile, freeze: int, conditio
     return min(feasible, key=lambda c: (round(worst[c.key], 2), c.bytes_per_sample))
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the run sends: one candidate, or two that share the batches (``shares``: the
+    share of samples each gets), so that the node and this tier work at the same time."""
+
+    parts: tuple[Candidate, ...]
+    shares: tuple[float, ...]
+    pace_ms: float  # per sample, in steady state
+
+    @property
+    def key(self) -> tuple:
+        return tuple((c.key, round(share, 2)) for c, share in zip(self.parts, self.shares))
+
+    @property
+    def fill_ms(self) -> float:
+        return max(c.fill_ms for c in self.parts)
+
+    @property
+    def bytes_per_sample(self) -> float:
+        return sum(c.bytes_per_sample * share for c, share in zip(self.parts, self.shares))
+
+    @property
+    def label(self) -> str:
+        if len(self.parts) == 1:
+            return self.parts[0].label
+        return " + ".join(f"{share:.0%} {c.label}" for c, share in zip(self.parts, self.shares))
+
+
+def single(c: Candidate) -> Plan:
+    return Plan((c,), (1.0,), c.pace_ms)
+
+
+def mix(a: Candidate, b: Candidate) -> Plan:
+    """``a`` and ``b`` sharing the batches in the proportion that makes the pace least: each
+    tier's load per sample is the shares' weighted sum of the two candidates' (the node,
+    the link and this tier serve both at once), and the slowest tier sets the pace. The
+    best share is where two tiers' loads meet, or one candidate alone."""
+    load_a = (a.storage_ms, a.transfer_ms, a.compute_ms)
+    load_b = (b.storage_ms, b.transfer_ms, b.compute_ms)
+
+    def pace(share: float) -> float:
+        return max(share * x + (1 - share) * y for x, y in zip(load_a, load_b))
+
+    shares = {0.0, 1.0}
+    for i in range(3):
+        for j in range(i + 1, 3):
+            slope = (load_a[i] - load_b[i]) - (load_a[j] - load_b[j])
+            if slope:
+                meet = (load_b[j] - load_b[i]) / slope
+                if 0 < meet < 1:
+                    shares.add(meet)
+    share = min(shares, key=pace)
+    if share in (0.0, 1.0):
+        return single(a if share else b)
+    return Plan((a, b), (share, 1 - share), pace(share))
+
+
 @dataclass
 class _Measured:
-    """A candidate's wall pace from the run, per sample, with the bandwidth it was read at."""
+    """A plan's wall pace from the run, per sample, with the bandwidth it was read at."""
 
     paces: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     bandwidth: float | None = None
@@ -180,7 +237,7 @@ class Reply:
     dtype: str
     samples: int
     wire_bytes: int
-    link_interval: tuple[float, float]  # perf_counter times its bytes were on the link
+    link_interval: tuple[float, float]  # perf_counter times it was on the link
     timings: dict[str, float]  # the node's own timings (pushdown) or the reads' (all-in-compute)
 
 
@@ -190,7 +247,7 @@ class OnlinePlanner:
     The loader calls ``pick()`` before sending a batch, ``arrived()`` with each reply;
     the training loop calls ``trained()`` after each step. Until the first batch has
     arrived (``settled`` false), the loader sends no other: the first reply measures the
-    link before the pipeline commits to a candidate.
+    link before the pipeline commits to a plan.
     """
 
     def __init__(self, profile: HostProfile, freeze: int, batch_size: int, run_samples: int, raw_bytes: float,
@@ -203,19 +260,22 @@ class OnlinePlanner:
         self.run_samples = run_samples  # validation included
         self.remaining = run_samples  # samples the run has yet to send
         self.explore_left = EXPLORE_SHARE * run_samples
-        self.current = safest(self.options(), profile, freeze, self.conditions, batch_size, compute_memory_budget)
-        self.first = self.current
+        start = safest(self.options(), profile, freeze, self.conditions, batch_size, compute_memory_budget)
+        self.plan = single(start)
         self.settled = False
-        self.switches: list[tuple[int, Candidate, str]] = []  # (samples sent before it, candidate, why)
+        self.switches: list[tuple[int, Plan, str]] = []  # (samples sent before it, plan, why)
+        self._dealt = [0.0]  # samples sent to each part of the plan
         self._exploring: tuple[Candidate, int] | None = None  # (candidate, batches still to send)
         self._explored: set[tuple[int, str]] = set()
-        self._measured: dict[tuple[int, str], _Measured] = {}
+        self._measured: dict[tuple, _Measured] = {}
+        self._training_picks: deque[tuple] = deque()  # the plan of each training batch sent, in order
         self._links: deque[tuple[float, float, int]] = deque(maxlen=RECENT)
         self._node_scales: deque[float] = deque(maxlen=RECENT)
         self._node_fixed: deque[float] = deque(maxlen=RECENT)
-        self._previous_key: tuple[int, str] | None = None
+        self._previous_plan: tuple | None = None
         self._filling = 0  # steps still to come before the pipeline runs in steady state
-        self._readings_since_switch = 0
+        self._arrived = 0  # samples whose replies arrived
+        self._sent_at_switch = 0  # samples sent before the last move
 
     def options(self) -> list[Candidate]:
         return candidates(self.profile, self.freeze, self.conditions, self.batch_size, self.dtypes, self.memory_budget)
@@ -223,10 +283,19 @@ class OnlinePlanner:
     def priced(self, c: Candidate) -> Candidate:
         return price(self.profile, self.freeze, self.conditions, c.split, c.dtype, self.batch_size, self.memory_budget)
 
+    def plans(self) -> list[Plan]:
+        """Every feasible candidate alone, and every pair of them sharing the batches where
+        the pair is predicted faster than either alone by more than the model's error."""
+        feasible = [c for c in self.options() if c.feasible]
+        pairs = [mix(a, b) for i, a in enumerate(feasible) for b in feasible[i + 1:]]
+        return [single(c) for c in feasible] + [
+            p for p in pairs if len(p.parts) == 2 and p.pace_ms < min(c.pace_ms for c in p.parts) * (1 - MODEL_ERROR)]
+
     # -- what the run measured -------------------------------------------------------
 
     def arrived(self, reply: Reply) -> None:
         """Learn the link and the node from one reply."""
+        self._arrived += reply.samples
         self._links.append((*reply.link_interval, reply.wire_bytes))
         bandwidth = _link_rate(self._links)
         if reply.split != ALL_IN_COMPUTE:
@@ -247,53 +316,54 @@ class OnlinePlanner:
             node_fixed_ms=_median(self._node_fixed, self.conditions.node_fixed_ms))
         self.settled = True
 
-    def trained(self, split: int, dtype: str, samples: int, wait_s: float, compute_s: float) -> None:
-        """Learn the candidate's wall pace from one training step (its wait for data and its
+    def trained(self, samples: int, wait_s: float, compute_s: float) -> None:
+        """Learn the plan's wall pace from one training step (its wait for data and its
         compute), and charge what the model does not explain to its bottleneck tier."""
-        key = (split, dtype)
-        if key != self._previous_key:
+        plan = self._training_picks.popleft() if self._training_picks else None
+        if plan != self._previous_plan:
             self._filling = self.batches_in_flight
-        self._previous_key = key
+        self._previous_plan = plan
         # The steps of a pipeline that (re)started waited for it to fill as well: while the
         # batches in flight are those sent when it started, a step is no reading of the pace.
         if self._filling > 0:
             self._filling -= 1
             return
-        if samples == self.batch_size:
-            measured = self._measured.setdefault(key, _Measured())
+        if samples == self.batch_size and plan is not None:
+            measured = self._measured.setdefault(plan, _Measured())
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
             measured.bandwidth = self.conditions.bandwidth
-            if key == self.current.key:
-                self._readings_since_switch += 1
+            if plan == self.plan.key and len(self.plan.parts) == 1:
                 self._charge_unseen(measured.pace_ms)
 
     def restarted(self) -> None:
         """The loader's pipeline starts empty (a new epoch): its first steps are no readings."""
-        self._previous_key = None
+        self._previous_plan = None
+        self._training_picks.clear()
 
     def _charge_unseen(self, wall_ms: float) -> None:
         """Charge the measured pace's difference from the model's to the bottleneck tier: the
         node or this tier (a link-bound pace is the link's rate, measured directly)."""
-        model = self.priced(self.current)
+        model = self.priced(self.plan.parts[0])
         if model.bottleneck == "storage":
             unseen = self.conditions.node_unseen_ms + wall_ms - model.storage_ms
             self.conditions = replace(self.conditions, node_unseen_ms=max(unseen, 0.0))
-        elif model.bottleneck == "compute":
-            unseen = self.conditions.compute_unseen_ms + wall_ms - model.compute_ms
-            self.conditions = replace(self.conditions, compute_unseen_ms=max(unseen, 0.0))
+        elif model.bottleneck == "compute" and model.compute_ms > 0:
+            scale = self.conditions.compute_scale * wall_ms / model.compute_ms
+            self.conditions = replace(self.conditions, compute_scale=max(scale, 1.0))
 
     # -- the choice ------------------------------------------------------------------
 
-    def expected_ms(self, c: Candidate) -> float:
-        """Per sample: the pace the run measured at ``c`` while the link was as it is now,
-        else the model's."""
-        measured = self._measured.get(c.key)
+    def expected_ms(self, plan: Plan) -> float:
+        """Per sample: the pace the run measured for ``plan`` while the link was as it is
+        now, else the model's."""
+        measured = self._measured.get(plan.key)
         if measured and measured.paces and _close(measured.bandwidth, self.conditions.bandwidth):
             return measured.pace_ms
-        return self.priced(c).pace_ms
+        return plan.pace_ms
 
-    def pick(self, samples: int) -> Candidate:
-        """The candidate for the next batch of ``samples`` samples."""
+    def pick(self, samples: int, training: bool = True) -> Candidate:
+        """The candidate for the next batch of ``samples`` samples (a training batch, whose
+        step will be reported to ``trained``, or not)."""
         if self.settled:
             self._replan()
         self.remaining -= samples
@@ -301,19 +371,28 @@ class OnlinePlanner:
             candidate, left = self._exploring
             self._exploring = (candidate, left - 1) if left > 1 else None
             self.explore_left -= samples
-            return candidate
-        return self.current
+            chosen, plan_key = candidate, single(candidate).key
+        else:
+            # Each batch goes to the part furthest behind its share of the samples dealt.
+            total = sum(self._dealt) + samples
+            part = max(range(len(self.plan.parts)), key=lambda i: self.plan.shares[i] * total - self._dealt[i])
+            self._dealt[part] += samples
+            chosen, plan_key = self.plan.parts[part], self.plan.key
+        if training:
+            self._training_picks.append(plan_key)
+        return chosen
 
     def _replan(self) -> None:
-        # After a move, the next waits for the new candidate's own readings (MIN_READINGS of
-        # them in steady state): a decision taken on the estimates of a pipeline in transition
-        # would chase them. The first move, on the first reply, is the one that cannot wait.
-        if self._exploring is not None or (self.switches and self._readings_since_switch < MIN_READINGS):
+        # After a move, the next waits for evidence from the new plan: a reply of a batch sent
+        # after the move. A decision on the estimates of a pipeline in transition would chase
+        # them. The first move, on the first reply, is the one that cannot wait.
+        waiting = self.switches and self._arrived <= self._sent_at_switch
+        if self._exploring is not None or waiting:
             return
-        feasible = [self.priced(c) for c in self.options() if c.feasible]
-        incumbent_ms = self.expected_ms(self.current)
-        best = min(feasible, key=self.expected_ms)
-        if best.key != self.current.key:
+        plans = self.plans()
+        incumbent_ms = self.expected_ms(self._repriced(self.plan))
+        best = min(plans, key=self.expected_ms)
+        if best.key != self.plan.key:
             measured = best.key in self._measured and self._measured[best.key].paces
             # A measured pace must beat the incumbent's by more than the scatter of the
             # incumbent's own readings; a predicted one, by more than the model's error.
@@ -323,50 +402,67 @@ class OnlinePlanner:
                 self._switch(best, f"{'measured' if measured else 'predicted'} {self.expected_ms(best):.1f} "
                                    f"ms/sample against {incumbent_ms:.1f}")
                 return
-        self._maybe_explore(feasible, incumbent_ms)
+        self._maybe_explore([p.parts[0] for p in plans if len(p.parts) == 1], incumbent_ms)
+
+    def _repriced(self, plan: Plan) -> Plan:
+        """``plan`` as the model prices it now (its shares kept)."""
+        parts = tuple(self.priced(c) for c in plan.parts)
+        if len(parts) == 1:
+            return single(parts[0])
+        loads = [sum(share * getattr(c, tier) for c, share in zip(parts, plan.shares))
+                 for tier in ("storage_ms", "transfer_ms", "compute_ms")]
+        return Plan(parts, plan.shares, max(loads))
 
     def _maybe_explore(self, feasible: list[Candidate], incumbent_ms: float) -> None:
-        """Give real batches to a candidate the model cannot separate from the incumbent and
-        the run never measured, when the exploration budget holds enough of them to read it
+        """Give real batches to a candidate the model cannot separate from the plan and the
+        run never measured, when the exploration budget holds enough of them to read it
         with its pipeline full."""
         batches = self.batches_in_flight + 2
         if self.explore_left < batches * self.batch_size or self.remaining < 10 * batches * self.batch_size:
             return
-        unmeasured = [c for c in feasible if c.key not in self._explored | self._measured.keys()
-                      and c.key != self.current.key and c.pace_ms <= incumbent_ms * (1 + MODEL_ERROR)]
+        current = {c.key for c in self.plan.parts}
+        measured = {key[0][0] for key in self._measured if len(key) == 1}
+        unmeasured = [c for c in feasible if c.key not in self._explored | measured | current
+                      and c.pace_ms <= incumbent_ms * (1 + MODEL_ERROR)]
         if unmeasured:
             candidate = min(unmeasured, key=lambda c: c.pace_ms)
-            self.switches.append((self.run_samples - self.remaining, candidate,
-                                  "exploring: the model cannot separate it from the current one"))
+            self.switches.append((self.run_samples - self.remaining, single(candidate),
+                                  "exploring: the model cannot separate it from the current plan"))
             self._exploring = (candidate, batches)
             self._explored.add(candidate.key)
 
     def _scatter(self) -> float:
-        """The relative spread of the incumbent's recent readings (their median absolute
+        """The relative spread of the plan's recent readings (their median absolute
         deviation over their median); the model's error while it has fewer than three."""
-        measured = self._measured.get(self.current.key)
+        measured = self._measured.get(self.plan.key)
         if measured is None or len(measured.paces) < 3:
             return MODEL_ERROR
         median = measured.pace_ms
         return statistics.median(abs(x - median) for x in measured.paces) / median
 
-    def _switch(self, candidate: Candidate, why: str) -> None:
-        self.switches.append((self.run_samples - self.remaining, candidate, why))
-        self.current = candidate
-        self._readings_since_switch = 0
+    def _switch(self, plan: Plan, why: str) -> None:
+        sent = self.run_samples - self.remaining
+        self.switches.append((sent, plan, why))
+        self.plan, self._dealt = plan, [0.0] * len(plan.parts)
+        self._sent_at_switch = sent  # replies arrive in the order their batches were sent
 
     def explain(self, stage_names: tuple[str, ...]) -> str:
-        """Every candidate as the planner sees it now, one line each."""
+        """Every candidate as the planner sees it now, one line each, then the plan."""
         lines = [f"{'candidate':22s} {'after stage':18s} {'KB/sample':>10s} {'storage':>9s} {'network':>9s} "
                  f"{'compute':>9s} {'model':>9s} {'measured':>9s}  bottleneck   (ms per sample)"]
+        current = {c.key for c in self.plan.parts}
         for c in self.options():
             stage = "-" if c.split <= 0 else stage_names[c.split - 1]
-            measured = self._measured.get(c.key)
+            measured = self._measured.get(single(c).key)
             reading = f"{measured.pace_ms:.2f}" if measured and measured.paces else "-"
-            mark = "  <- current" if c.key == self.current.key else ("  (out of memory)" if not c.feasible else "")
+            mark = "  <- current" if c.key in current else ("  (out of memory)" if not c.feasible else "")
             lines.append(f"{c.label:22s} {stage:18s} {c.bytes_per_sample / 1e3:10.1f} {c.storage_ms:9.2f} "
                          f"{c.transfer_ms:9.2f} {c.compute_ms:9.2f} {c.pace_ms:9.2f} {reading:>9s}  "
                          f"{c.bottleneck:10s}{mark}")
+        plan = self._repriced(self.plan)
+        measured = self._measured.get(plan.key)
+        lines.append(f"plan: {plan.label}, model {plan.pace_ms:.2f} ms/sample"
+                     + (f", measured {measured.pace_ms:.2f}" if measured and measured.paces else ""))
         return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
 from hapi.datasets import DatasetNotFoundError, Sample
 from hapi.measure import host_profile
 from hapi.models import MODELS, StagedModel, build_model
-from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner
+from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner, Plan
 from hapi.store import MissingObjectError, open_store
 from hapi.transforms import CorruptImageError, TransformSpec
 from hapi.wire import WIRE_DTYPES, ExtractRequest
@@ -220,11 +220,11 @@ def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tupl
                            "wire_bytes": batch.wire_bytes, "raw_bytes": batch.raw_bytes, "requests": batch.requests,
                            "elapsed_ms": batch.elapsed_ms, "source_ms": batch.timings, "keys": batch.keys})
             if planner is not None:
-                planner.trained(batch.split, batch.dtype, n, batch.wait_s, compute_s)
-                for sent, candidate, why in planner.switches[announced:]:
-                    tqdm.write(f"planner: from sample {sent} on, {describe_split(model, candidate.split)}, "
-                               f"{candidate.dtype} ({why})")
-                    metrics.write({"switch": {"at_sample": sent, "why": why, **asdict(candidate)}})
+                planner.trained(n, batch.wait_s, compute_s)
+                for sent, plan, why in planner.switches[announced:]:
+                    tqdm.write(f"planner: from sample {sent} on, {describe_plan(model, plan)} ({why})")
+                    metrics.write({"switch": {"at_sample": sent, "why": why, "plan": plan.label,
+                                              "parts": [asdict(c) for c in plan.parts], "shares": plan.shares}})
                 announced = len(planner.switches)
             bar.update(n)
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -337,7 +337,7 @@ def main(args: argparse.Namespace) -> int:
         if fixed_split is None:
             planner = make_planner(args, model, train_samples, val_samples, args.epochs - start_epoch)
             train_source, val_source = Planned(planner, sources), Planned(planner, sources, validation=True)
-            split = planner.current.split
+            split = planner.plan.parts[0].split
             print(f"planner: starting at {describe_split(model, split)}, the safest while the link is unmeasured; "
                   "the run measures itself from its first batch on and moves when a move pays")
         else:
@@ -365,6 +365,14 @@ def main(args: argparse.Namespace) -> int:
     if total.samples:
         print(report(total, val))
     return 0
+
+
+def describe_plan(model: StagedModel, plan: Plan) -> str:
+    """The plan in words: its candidates and the share of the batches each gets."""
+    if len(plan.parts) == 1:
+        return f"{describe_split(model, plan.parts[0].split)}, {plan.parts[0].dtype}"
+    return " + ".join(f"{share:.0%} of the batches at {describe_split(model, c.split)}, {c.dtype}"
+                      for c, share in zip(plan.parts, plan.shares))
 
 
 def describe_split(model: StagedModel, split: int) -> str:
