@@ -49,6 +49,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -99,6 +100,7 @@ class Settings:
     give_up: float  # a fixed split slower than this many times the case's best so far is stopped
     cache: str  # "fresh" or "warm"
     out: Path
+    keep_jobs: Path | None = None  # where each job's output and metrics.jsonl are kept
 
     def samples_for(self, epochs: int) -> int:
         return self.samples if epochs == 1 else self.samples_multi
@@ -273,6 +275,12 @@ class Harness:
         wall_s = time.perf_counter() - started
         after = link_counters()
         text = log_path.read_text(errors="replace")
+        if self.settings.keep_jobs is not None:
+            kept = self.settings.keep_jobs / log_path.stem
+            kept.mkdir(parents=True, exist_ok=True)
+            shutil.copy(log_path, kept / "output.txt")
+            if (output_dir / "metrics.jsonl").is_file():
+                shutil.copy(output_dir / "metrics.jsonl", kept / "metrics.jsonl")
         if process.returncode and not stopped:
             tail = "\n".join(text.splitlines()[-12:])
             raise RuntimeError(f"{variant.label} failed ({log_path}):\n{tail}")
@@ -280,7 +288,7 @@ class Harness:
         return Run(case.model, case.bandwidth, case.epochs, case.samples, repeat, variant.label, variant.split,
                    round(wall_s, 2), stopped, after[0] - before[0], after[1] - before[1],
                    trained_split=trained_split(output_dir, text) if variant.mode == "auto" else variant.split,
-                   replans=text.count("re-planned:"),
+                   replans=text.count("planner: from sample"),
                    val_loss=float(val.group(1)) if val else None, val_accuracy=float(val.group(2)) if val else None)
 
 
@@ -562,6 +570,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: resnet18 at 25 Mbit/s, 64 samples (2 epochs of 32), workers 0,2, 2 fixed splits")
     p.add_argument("--out", type=Path)
+    p.add_argument("--keep-jobs", type=Path, help="keep each job's output and metrics.jsonl under this folder")
     args = p.parse_args(argv)
     if args.quick:  # explicit flags still win over the quick sizes
         defaults = vars(p.parse_args([]))
@@ -576,7 +585,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         epochs_list=tuple(int(e) for e in args.epochs_list.split(",")), repeats=args.repeats,
         workers=tuple(int(w) for w in args.workers.split(",")), image_size=args.image_size,
         batch_size=args.batch_size, val_per_class=args.val_per_class, max_fixed=args.max_fixed,
-        give_up=args.give_up, cache=args.cache, out=args.out or (RESULTS / "quick" if args.quick else RESULTS))
+        give_up=args.give_up, cache=args.cache, out=args.out or (RESULTS / "quick" if args.quick else RESULTS),
+        keep_jobs=args.keep_jobs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,7 +167,17 @@ class Plan:
 
     parts: tuple[Candidate, ...]
     shares: tuple[float, ...]
-    pace_ms: float  # per sample, in steady state
+
+    @property
+    def loads(self) -> tuple[float, float, float]:
+        """Per sample, the work of the node, the link and this tier: the shares' weighted sums."""
+        return tuple(sum(share * stage for share, stage in zip(self.shares, column))
+                     for column in zip(*((c.storage_ms, c.transfer_ms, c.compute_ms) for c in self.parts)))
+
+    @property
+    def pace_ms(self) -> float:
+        """Per sample, in steady state: the busiest tier's load."""
+        return max(self.loads)
 
     @property
     def key(self) -> tuple:
@@ -189,7 +199,7 @@ class Plan:
 
 
 def single(c: Candidate) -> Plan:
-    return Plan((c,), (1.0,), c.pace_ms)
+    return Plan((c,), (1.0,))
 
 
 def mix(a: Candidate, b: Candidate) -> Plan:
@@ -214,7 +224,7 @@ def mix(a: Candidate, b: Candidate) -> Plan:
     share = min(shares, key=pace)
     if share in (0.0, 1.0):
         return single(a if share else b)
-    return Plan((a, b), (share, 1 - share), pace(share))
+    return Plan((a, b), (share, 1 - share))
 
 
 @dataclass
@@ -332,7 +342,7 @@ class OnlinePlanner:
             measured = self._measured.setdefault(plan, _Measured())
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
             measured.bandwidth = self.conditions.bandwidth
-            if plan == self.plan.key and len(self.plan.parts) == 1:
+            if plan == self.plan.key:
                 self._charge_unseen(measured.pace_ms)
 
     def restarted(self) -> None:
@@ -341,14 +351,17 @@ class OnlinePlanner:
         self._training_picks.clear()
 
     def _charge_unseen(self, wall_ms: float) -> None:
-        """Charge the measured pace's difference from the model's to the bottleneck tier: the
-        node or this tier (a link-bound pace is the link's rate, measured directly)."""
-        model = self.priced(self.plan.parts[0])
-        if model.bottleneck == "storage":
-            unseen = self.conditions.node_unseen_ms + wall_ms - model.storage_ms
+        """Charge the measured pace's difference from the model's to the plan's bottleneck
+        tier: the node (per sample it works on) or this tier (a link-bound pace is the link's
+        rate, measured directly)."""
+        model = self._repriced(self.plan)
+        tier = max(range(3), key=lambda i: model.loads[i])
+        if tier == 0:
+            node_share = sum(share for c, share in zip(model.parts, model.shares) if c.split != ALL_IN_COMPUTE)
+            unseen = self.conditions.node_unseen_ms + (wall_ms - model.loads[0]) / node_share
             self.conditions = replace(self.conditions, node_unseen_ms=max(unseen, 0.0))
-        elif model.bottleneck == "compute" and model.compute_ms > 0:
-            scale = self.conditions.compute_scale * wall_ms / model.compute_ms
+        elif tier == 2 and model.loads[2] > 0:
+            scale = self.conditions.compute_scale * wall_ms / model.loads[2]
             self.conditions = replace(self.conditions, compute_scale=max(scale, 1.0))
 
     # -- the choice ------------------------------------------------------------------
@@ -406,12 +419,7 @@ class OnlinePlanner:
 
     def _repriced(self, plan: Plan) -> Plan:
         """``plan`` as the model prices it now (its shares kept)."""
-        parts = tuple(self.priced(c) for c in plan.parts)
-        if len(parts) == 1:
-            return single(parts[0])
-        loads = [sum(share * getattr(c, tier) for c, share in zip(parts, plan.shares))
-                 for tier in ("storage_ms", "transfer_ms", "compute_ms")]
-        return Plan(parts, plan.shares, max(loads))
+        return Plan(tuple(self.priced(c) for c in plan.parts), plan.shares)
 
     def _maybe_explore(self, feasible: list[Candidate], incumbent_ms: float) -> None:
         """Give real batches to a candidate the model cannot separate from the plan and the
