@@ -297,6 +297,8 @@ class Planned:
         return self.sources.build(candidate.split, candidate.dtype)[self.validation]
 
     def arrived(self, part: Part, samples: int) -> None:
+        if "local_forward_ms" in part.timings:
+            return  # computed here, with no node answering: it tells nothing of the link or a node
         # The link's share of a request is all its time but the node's own work: the request
         # and the reply's headers, too, cross the link, and a short reply's body alone is
         # read at the rate of a shaper's burst or of an unthrottled first window.

@@ -49,8 +49,9 @@ def default_cache_dir() -> Path:
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m hapi.train", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet50", help=f"one of {', '.join(MODELS)}")
-    p.add_argument("--weights", default="random",
-                   help="random (seeded, the offline default), torchvision, or a state_dict file")
+    p.add_argument("--weights",
+                   help="random (seeded), torchvision, package (weights shipped in an installed package), or a "
+                        "state_dict file; default: the model's own (package for efficientnet_lite0, random for the rest)")
     p.add_argument("--split", default="auto",
                    help="stages [0, split) run on the storage tier: auto (the planner chooses, and changes "
                         "its choice as the run measures itself), freeze (every frozen stage), all-in-compute "

@@ -27,16 +27,22 @@ FREEZE = 22
 
 
 def run(case: Case, variant: str, wall_s: float, mb: float, split: int | None = None, repeat: int = 0,
-        stopped: bool = False, trained: int | None = None) -> Run:
+        stopped: bool = False, trained: int | None = None, batches_mb: float | None = None) -> Run:
+    """A measured job; a HAPI job's batches carried ``batches_mb`` (default: its link's bytes
+    less a 2% protocol overhead)."""
+    if batches_mb is None and not variant.startswith("peer") and mb:
+        batches_mb = mb / 1.02
     return Run(case.model, case.bandwidth, case.epochs, case.samples, repeat, variant, split, wall_s, stopped,
-               int(mb * 0.97e6), int(mb * 0.03e6), trained if trained is not None else split)
+               int(mb * 0.97e6), int(mb * 0.03e6), trained if trained is not None else split,
+               payload_bytes=int(batches_mb * 1e6) if batches_mb else None)
 
 
 def issue_case_25() -> tuple[Case, list[Run]]:
     case = Case("resnet50", 25, 1, 320)
     peer = 50.0
     return case, [
-        run(case, "auto", 1.78 * peer, 51.7, trained=ALL_IN_COMPUTE),
+        # Its batches carried what all-in-compute's did; 11 MB of probes came on top.
+        run(case, "auto", 1.78 * peer, 51.7, trained=ALL_IN_COMPUTE, batches_mb=40.7 / 1.02),
         run(case, "peer w0", 1.10 * peer, 40.9), run(case, "peer w2", peer, 40.9),
         run(case, "peer w4", 1.02 * peer, 40.9),
         run(case, "freeze", 1.29 * peer, 0.9, FREEZE),
@@ -60,12 +66,12 @@ def test_auto_slower_than_the_peer_and_moving_more_than_its_mode_fails_both_verd
 def test_freeze_far_ahead_of_auto_at_5_mbit_is_a_miss_even_though_auto_beats_the_peer() -> None:
     case = Case("resnet50", 5, 1, 320)
     peer = 100.0
-    runs = [run(case, "auto", 0.96 * peer, 1.2, trained=FREEZE), run(case, "peer w0", peer, 40.9),
+    runs = [run(case, "auto", 0.96 * peer, 1.2, trained=FREEZE, batches_mb=1.0 / 1.02), run(case, "peer w0", peer, 40.9),
             run(case, "freeze", 0.39 * peer, 1.0, FREEZE),
             run(case, "all-in-compute", 1.02 * peer, 40.7, ALL_IN_COMPUTE)]
     v = judge(case, runs, FREEZE)
     assert v.best_other == "freeze" and round(v.auto_vs_best, 2) == 2.46 and not v.within
-    assert v.best_fixed is None and v.traffic_ok is False  # 1.2 MB > 1.02 x 1.0 MB
+    assert v.best_fixed is None and v.traffic_ok is False  # 1.2 MB on the link for 0.98 MB of batches
     assert table_rows([v])[0][6] == "-"
     stopped = judge(case, [*runs, run(case, "split 17", 61.0, 0.0, 17, stopped=True)], FREEZE)
     assert table_rows([stopped])[0][6] == ">61.0 (stopped)"  # never the best, but how far off is said
@@ -84,9 +90,11 @@ def test_auto_within_5_percent_on_the_median_of_repeats_passes() -> None:
     assert rows[0][:4] == ["resnet18", "25", "5x128", "31.0"] and rows[0][-2:] == ["yes", "yes"]
 
 
-def test_traffic_verdict_is_unknown_when_autos_mode_was_not_measured() -> None:
+def test_traffic_verdict_is_unknown_without_autos_batches_and_holds_at_a_split_no_mode_ran() -> None:
     case, runs = issue_case_25()
-    runs[0] = run(case, "auto", 60.0, 5.0, trained=13)
+    runs[0] = run(case, "auto", 60.0, 5.0, trained=13)  # its batches: 4.9 MB at split 13
+    assert judge(case, runs, FREEZE).traffic_ok is True
+    runs[0] = Run(case.model, case.bandwidth, 1, 320, 0, "auto", None, 60.0, False, 5_000_000, 0, 13)
     assert judge(case, runs, FREEZE).traffic_ok is None
 
 
