@@ -51,7 +51,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="resnet50", help=f"one of {', '.join(MODELS)}")
     p.add_argument("--weights",
                    help="random (seeded), torchvision, package (weights shipped in an installed package), or a "
-                        "state_dict file; default: the model's own (package for efficientnet_lite0, random for the rest)")
+                        "state_dict file; default: the model's own (package for efficientnet_lite0, else random)")
     p.add_argument("--split", default="auto",
                    help="stages [0, split) run on the storage tier: auto (the planner chooses, and changes "
                         "its choice as the run measures itself), freeze (every frozen stage), all-in-compute "

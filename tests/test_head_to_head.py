@@ -66,7 +66,8 @@ def test_auto_slower_than_the_peer_and_moving_more_than_its_mode_fails_both_verd
 def test_freeze_far_ahead_of_auto_at_5_mbit_is_a_miss_even_though_auto_beats_the_peer() -> None:
     case = Case("resnet50", 5, 1, 320)
     peer = 100.0
-    runs = [run(case, "auto", 0.96 * peer, 1.2, trained=FREEZE, batches_mb=1.0 / 1.02), run(case, "peer w0", peer, 40.9),
+    runs = [run(case, "auto", 0.96 * peer, 1.2, trained=FREEZE, batches_mb=1.0 / 1.02),
+            run(case, "peer w0", peer, 40.9),
             run(case, "freeze", 0.39 * peer, 1.0, FREEZE),
             run(case, "all-in-compute", 1.02 * peer, 40.7, ALL_IN_COMPUTE)]
     v = judge(case, runs, FREEZE)
