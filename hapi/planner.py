@@ -64,7 +64,8 @@ class Conditions:
 
     raw_bytes: float  # mean encoded object size per sample
     bandwidth: float | None = None  # bytes/s between the tiers; None until measured
-    node_scale: float = 1.0  # the node's forward time per stage / this host's
+    node_forward_ms: tuple[float, ...] | None = None  # the node's own profile per stage; None: this host's
+    node_scale: float = 1.0  # the node's forward time per stage in the run / its profile
     node_fixed_ms: float | None = None  # the node's work per sample beside the prefix; None: this host's decode
     node_unseen_ms: float = 0.0  # per sample, the node's cost its timings leave out
     compute_scale: float = 1.0  # this tier's cost in training / its profile
@@ -115,7 +116,8 @@ def price(profile: HostProfile, freeze: int, conditions: Conditions, split: int,
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
         fixed = profile.decode_ms if conditions.node_fixed_ms is None else conditions.node_fixed_ms
-        storage_ms = fixed + conditions.node_scale * sum(forward[:split]) + conditions.node_unseen_ms
+        node_forward = conditions.node_forward_ms or forward
+        storage_ms = fixed + conditions.node_scale * sum(node_forward[:split]) + conditions.node_unseen_ms
     compute_ms = conditions.compute_scale * work_ms
     transfer_ms = per_sample / bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
@@ -262,11 +264,14 @@ class OnlinePlanner:
 
     def __init__(self, profile: HostProfile, freeze: int, batch_size: int, run_samples: int, raw_bytes: float,
                  dtypes: tuple[str, ...] = ("float32",), batches_in_flight: int = 1,
-                 compute_memory_budget: float = math.inf) -> None:
+                 compute_memory_budget: float = math.inf, node_profile: HostProfile | None = None) -> None:
+        """``profile``: this host's; ``node_profile``: the storage node's, where known (else
+        the node is priced as this host until its replies say otherwise)."""
         self.profile, self.freeze, self.batch_size = profile, freeze, batch_size
         self.dtypes, self.memory_budget = dtypes, compute_memory_budget
         self.batches_in_flight = batches_in_flight
-        self.conditions = Conditions(raw_bytes)
+        self.conditions = Conditions(raw_bytes) if node_profile is None else Conditions(
+            raw_bytes, node_forward_ms=node_profile.forward_ms, node_fixed_ms=node_profile.decode_ms)
         self.run_samples = run_samples  # validation included
         self.remaining = run_samples  # samples the run has yet to send
         self.explore_left = EXPLORE_SHARE * run_samples
@@ -316,7 +321,7 @@ class OnlinePlanner:
             turn = t.get("decode_wait_ms", 0.0) + t.get("forward_ms", 0.0)
             busy = (max(t.get("fetch_ms", 0.0), turn) + t.get("encode_ms", 0.0)
                     + t.get("shared_wait_ms", 0.0)) / reply.samples
-            prefix_ms = sum(self.profile.forward_ms[:reply.split])
+            prefix_ms = sum((self.conditions.node_forward_ms or self.profile.forward_ms)[:reply.split])
             if prefix_ms > 0 and forward > 0:
                 self._node_scales.append(forward / prefix_ms)
             self._node_fixed.append(max(busy - forward, 0.0))

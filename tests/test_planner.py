@@ -5,12 +5,13 @@ from dataclasses import replace
 
 import pytest
 
-from hapi.measure import HostProfile
+from hapi.measure import SHIPPED_PROFILES, HostProfile
 from hapi.planner import (
     ALL_IN_COMPUTE,
     EXPLORE_SHARE,
     Conditions,
     OnlinePlanner,
+    Plan,
     Reply,
     candidates,
     mix,
@@ -242,3 +243,40 @@ def test_exploration_stays_within_its_share_of_the_run_and_a_short_run_never_exp
     assert any("exploring" in why for _, _, why in switches)
     explored, switches = run(20 * BATCH)
     assert explored == 0 and not any("exploring" in why for _, _, why in switches)
+
+
+# An H200 compute tier and the same host's 16 CPU cores (or the H200 itself) as the storage
+# node, ResNet-50 at 224 px: per-stage times measured there (profiles/README.md).
+H200 = HostProfile.from_json((SHIPPED_PROFILES / "nvidia-h200-cuda-bf16" / "resnet50-224.json").read_text())
+CPU16 = HostProfile.from_json((SHIPPED_PROFILES / "h200-host-cpu-x16" / "resnet50-224.json").read_text())
+R50_FREEZE = 22
+
+
+def h200_best(bandwidth_bits: float, node: HostProfile) -> Plan:
+    p = OnlinePlanner(H200, R50_FREEZE, 256, 100_000, 110_000, dtypes=("float32", "bfloat16"), node_profile=node)
+    p.conditions = replace(p.conditions, bandwidth=bandwidth_bits / 8)
+    return min(p.plans(), key=lambda plan: plan.pace_ms)
+
+
+def deepest(plan: Plan) -> int:
+    return max(c.split for c in plan.parts)
+
+
+def test_an_h200_on_a_fast_link_keeps_the_deep_prefix_off_a_cpu_node() -> None:
+    plan = h200_best(10e9, CPU16)
+    # The GPU runs the prefix 380x faster than 16 cores: at most the decode moves to the node.
+    assert deepest(plan) <= 0, plan.label
+
+
+def test_an_h200_on_a_slow_link_pushes_the_deep_prefix_down_even_to_a_cpu_node() -> None:
+    plan = h200_best(10e6, CPU16)
+    # Most batches come as pooled features (4 KB in bf16, against 110 KB of JPEG); the
+    # node's 16 cores are then the bottleneck, and the link's spare time carries a share of
+    # raw objects for the GPU.
+    deep = sum(share for c, share in zip(plan.parts, plan.shares) if c.split >= R50_FREEZE - 2)
+    assert deep > 0.7, plan.label
+
+
+def test_a_gpu_storage_node_takes_a_deeper_prefix_than_a_cpu_one() -> None:
+    for bits in (1e9, 10e9):
+        assert deepest(h200_best(bits, H200)) > deepest(h200_best(bits, CPU16))
