@@ -3,10 +3,15 @@
 Stages [split, freeze) are frozen: eval mode, no gradients, exactly as the storage tier
 runs them, so a sample's features never depend on where the cut is. Stages [freeze,
 end) train. Every optimiser step sees exactly one user batch.
+
+On a CUDA device the stages run in bf16 autocast with CNN activations in channels_last
+(the layout its convolution kernels are fastest in), and batches are copied to it without
+blocking the host; on the CPU everything stays float32, as the storage tier computes.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +28,7 @@ class TrainConfig:
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 1e-4
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
 
 
 class HeadTrainer:
@@ -34,8 +40,13 @@ class HeadTrainer:
 
     def __init__(self, model: StagedModel, config: TrainConfig) -> None:
         self.freeze = model.spec.freeze_index
-        self.frozen = nn.Sequential(*model.stages[: self.freeze]).eval().requires_grad_(False)
-        self.trainable = nn.Sequential(*model.stages[self.freeze:]).train()
+        self.device = torch.device(config.device)
+        cuda = self.device.type == "cuda"
+        layout = {"memory_format": torch.channels_last} if cuda else {}
+        self.frozen = nn.Sequential(*model.stages[: self.freeze]).to(self.device, **layout).eval().requires_grad_(False)
+        self.trainable = nn.Sequential(*model.stages[self.freeze:]).to(self.device, **layout).train()
+        self._autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+        self._channels_last = cuda
         params = [p for p in self.trainable.parameters() if p.requires_grad]
         if config.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(params, lr=config.lr, momentum=config.momentum,
@@ -46,18 +57,27 @@ class HeadTrainer:
             raise ValueError(f"unknown optimizer {config.optimizer!r}; choose one of {OPTIMIZERS}")
         self.loss_fn = nn.CrossEntropyLoss()
 
+    def _on_device(self, features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Features may arrive in a narrower wire dtype; the model computes in float32 (or
+        # under autocast on a GPU).
+        features = features.to(self.device, non_blocking=True).float()
+        if self._channels_last and features.dim() == 4:
+            features = features.contiguous(memory_format=torch.channels_last)
+        return features, labels.to(self.device, non_blocking=True)
+
     def _frozen_forward(self, features: torch.Tensor, split: int) -> torch.Tensor:
         with torch.no_grad():
-            # Features may arrive in a narrower wire dtype; the model computes in float32.
-            return self.frozen[max(split, 0):](features.float())  # all-in-compute (-1) starts at 0
+            return self.frozen[max(split, 0):](features)  # all-in-compute (-1) starts at 0
 
     def train_step(self, features: torch.Tensor, labels: torch.Tensor, split: int) -> float:
         """One optimiser step on exactly this batch, cut at ``split``; returns its mean loss."""
         # BatchNorm cannot take batch statistics of one sample; such a (last, partial)
         # batch still trains, on the running statistics.
         self.trainable.train(len(labels) > 1)
-        logits = self.trainable(self._frozen_forward(features, split))
-        loss = self.loss_fn(logits, labels)
+        features, labels = self._on_device(features, labels)
+        with self._autocast():
+            logits = self.trainable(self._frozen_forward(features, split))
+            loss = self.loss_fn(logits.float(), labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
@@ -67,7 +87,9 @@ class HeadTrainer:
     def evaluate_batch(self, features: torch.Tensor, labels: torch.Tensor, split: int) -> tuple[float, int]:
         """(summed loss, number correct) on one batch, with the head in eval mode."""
         self.trainable.eval()
-        logits = self.trainable(self._frozen_forward(features, split))
+        features, labels = self._on_device(features, labels)
+        with self._autocast():
+            logits = self.trainable(self._frozen_forward(features, split)).float()
         loss = nn.functional.cross_entropy(logits, labels, reduction="sum").item()
         return loss, int((logits.argmax(1) == labels).sum())
 

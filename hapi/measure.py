@@ -10,6 +10,7 @@ one measured here is saved under the cache directory and found there next time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 PROFILE_BATCH = 16  # the batch the stages are timed at: per-sample times change little above it
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,11 @@ class HostProfile:
                       "forward_ms": tuple(body["forward_ms"])})
 
 
-def host_name() -> str:
-    """A hardware key for saved profiles: CPU model and the threads torch uses."""
+def host_name(device: torch.device = CPU) -> str:
+    """A hardware key for saved profiles: the GPU's name, or the CPU model and the threads
+    torch uses."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} cuda bf16"
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -73,10 +78,11 @@ def profile_path(directory: Path, host: str, model: str, input_size: int) -> Pat
     return directory / slug / f"{model}-{input_size}.json"
 
 
-def host_profile(model: StagedModel, input_size: int, cache_dir: Path, refresh: bool = False) -> HostProfile:
-    """This host's profile of ``model``: shipped, saved in ``cache_dir``, or measured now
-    (a few seconds of this host's CPU, nothing over the network) and saved there."""
-    host = host_name()
+def host_profile(model: StagedModel, input_size: int, cache_dir: Path, refresh: bool = False,
+                 device: torch.device = CPU) -> HostProfile:
+    """This host's profile of ``model`` on ``device``: shipped, saved in ``cache_dir``, or
+    measured now (a few seconds, nothing over the network) and saved there."""
+    host = host_name(device)
     if not refresh:
         for directory in (SHIPPED_PROFILES, cache_dir):
             path = profile_path(directory, host, model.spec.name, input_size)
@@ -85,7 +91,7 @@ def host_profile(model: StagedModel, input_size: int, cache_dir: Path, refresh: 
                     return HostProfile.from_json(path.read_text())
                 except (TypeError, KeyError, ValueError) as exc:
                     log.warning("measuring again: %s does not load (%s)", path, exc)
-    profile = measure_host(model, input_size)
+    profile = measure_host(model, input_size, device=device)
     path = profile_path(cache_dir, host, model.spec.name, input_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
@@ -93,29 +99,43 @@ def host_profile(model: StagedModel, input_size: int, cache_dir: Path, refresh: 
     return profile
 
 
-def measure_host(model: StagedModel, input_size: int, batch_size: int = PROFILE_BATCH) -> HostProfile:
-    """Time this host: decode, every frozen stage's forward, and the training step.
+def measure_host(model: StagedModel, input_size: int, batch_size: int = PROFILE_BATCH,
+                 device: torch.device = CPU) -> HostProfile:
+    """Time this host: decode (on its CPU), every frozen stage's forward, and the training
+    step, on ``device`` as the trainer runs them there (bf16 autocast on a GPU).
 
     It runs on copies of the model's stages with the RNG state restored afterwards, so
     measuring never changes what a run learns (BatchNorm statistics, dropout draws).
     """
     freeze = model.spec.freeze_index
     stages = nn.Sequential(*copy.deepcopy(list(model.stages)))
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         transform = TransformSpec(crop_size=input_size, resize_size=round(input_size * 256 / 224))
+        timed = stages.to(device)
         return HostProfile(
-            host=host_name(), model=model.spec.name, input_size=input_size,
+            host=host_name(device), model=model.spec.name, input_size=input_size,
             output_elements=output_elements(stages, input_size),
-            forward_ms=time_forward(stages[:freeze], input_size, batch_size),
-            train_ms=time_training(stages, freeze, input_size, batch_size),
+            forward_ms=time_forward(timed[:freeze], input_size, batch_size, device=device),
+            train_ms=time_training(timed, freeze, input_size, batch_size, device=device),
             decode_ms=time_decode(transform),
         )
+
+
+def _clock(device: torch.device) -> float:
+    """perf_counter once the device has finished what it was given (kernels run async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def output_elements(stages: nn.Sequential, input_size: int) -> tuple[int, ...]:
     """Elements per sample of each stage's output (index i: the output of stage i)."""
     sizes = []
-    x = torch.zeros(1, 3, input_size, input_size)
+    x = torch.zeros(1, 3, input_size, input_size, device=next(stages.parameters()).device)
     with torch.inference_mode():
         for stage in stages.eval():
             x = stage(x)
@@ -123,17 +143,18 @@ def output_elements(stages: nn.Sequential, input_size: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
-def time_forward(stages: nn.Sequential, input_size: int, batch_size: int, repeats: int = 3) -> tuple[float, ...]:
+def time_forward(stages: nn.Sequential, input_size: int, batch_size: int, repeats: int = 3,
+                 device: torch.device = CPU) -> tuple[float, ...]:
     """Per-sample forward time of each stage (ms), eval mode, median over ``repeats``."""
     runs: list[list[float]] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), _autocast(device):
         for _ in range(repeats + 1):  # the first run warms caches and allocators up
-            x = torch.randn(batch_size, 3, input_size, input_size)
+            x = torch.randn(batch_size, 3, input_size, input_size, device=device)
             times = []
             for stage in stages.eval():
-                started = time.perf_counter()
+                started = _clock(device)
                 x = stage(x)
-                times.append((time.perf_counter() - started) * 1e3 / batch_size)
+                times.append((_clock(device) - started) * 1e3 / batch_size)
             runs.append(times)
     return tuple(statistics.median(column) for column in zip(*runs[1:]))
 
@@ -148,23 +169,25 @@ def time_decode(transform: TransformSpec, samples: int = 8) -> float:
     return (time.perf_counter() - started) * 1e3 / samples
 
 
-def time_training(stages: nn.Sequential, freeze: int, input_size: int, batch_size: int, repeats: int = 3) -> float:
+def time_training(stages: nn.Sequential, freeze: int, input_size: int, batch_size: int, repeats: int = 3,
+                  device: torch.device = CPU) -> float:
     """Per-sample forward + backward + SGD step (ms) of stages [freeze, end), on their real
     input. ``stages`` is changed: pass a copy."""
-    with torch.inference_mode():
-        x = stages[:freeze].eval()(torch.randn(batch_size, 3, input_size, input_size))
-    x = x.clone()  # out of inference mode, so autograd may use it
+    with torch.inference_mode(), _autocast(device):
+        x = stages[:freeze].eval()(torch.randn(batch_size, 3, input_size, input_size, device=device))
+    x = x.float().clone()  # out of inference mode, so autograd may use it
     trainable = stages[freeze:].train()
     optimizer = torch.optim.SGD(trainable.parameters(), lr=0.0)
-    labels = torch.zeros(batch_size, dtype=torch.long)  # class 0 exists whatever the head's width
+    labels = torch.zeros(batch_size, dtype=torch.long, device=device)  # class 0 exists whatever the head's width
     times = []
     for _ in range(repeats + 1):
-        started = time.perf_counter()
-        loss = nn.functional.cross_entropy(trainable(x), labels)
+        started = _clock(device)
+        with _autocast(device):
+            loss = nn.functional.cross_entropy(trainable(x).float(), labels)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        times.append((time.perf_counter() - started) * 1e3 / batch_size)
+        times.append((_clock(device) - started) * 1e3 / batch_size)
     return statistics.median(times[1:])
 
 

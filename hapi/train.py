@@ -64,6 +64,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0, help="shuffling and augmentation")
+    p.add_argument("--device", default="auto",
+                   help="where this tier trains: auto (cuda when present, else cpu), cpu, cuda or cuda:N")
     p.add_argument("--augment", action="store_true", help="random resized crop + flip, seeded per sample")
     p.add_argument("--image-size", type=int, help="crop size fed to the model (default: the model's)")
     p.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="float32", help="features on the wire")
@@ -269,7 +271,8 @@ def make_planner(args: argparse.Namespace, model: StagedModel, train: tuple[Samp
     """The online planner for this run, from this host's profile of the model (shipped,
     saved, or measured now on copies of the stages, touching nothing the run trains)."""
     crop = args.image_size or model.spec.input_size
-    profile = host_profile(model, crop, args.cache_dir / "profiles", refresh=args.refresh_profile)
+    profile = host_profile(model, crop, args.cache_dir / "profiles", refresh=args.refresh_profile,
+                           device=torch.device(args.device))
     requests_per_batch = -(-args.batch_size // args.request_size)
     return OnlinePlanner(profile, model.spec.freeze_index, args.batch_size, epochs * (len(train) + len(val)),
                          raw_bytes=sum(s.size for s in train) / len(train), dtypes=wire_dtypes(args),
@@ -293,13 +296,15 @@ def load_checkpoint(path: Path, expected: dict) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    args.device = resolve_device(args.device)  # checked before anything is built or read
     model = build_model(args.model, args.weights, args.image_size)
     fixed_split = None if args.split == "auto" else resolve_split(model, args.split)
     store_url, manifest = deployment.open_dataset(args)
     train_samples = manifest.split("train")
     torch.manual_seed(args.seed)  # the new head's init and any dropout: same seed, same run
     model.replace_head(len(manifest.classes))
-    trainer = HeadTrainer(model, TrainConfig(optimizer=args.optimizer, lr=args.lr))
+    trainer = HeadTrainer(model, TrainConfig(optimizer=args.optimizer, lr=args.lr,
+                                             device=args.device))
     # The split is not part of it: where features were computed never changes what is learned.
     setup = {"model": args.model, "weights": model.weights_id, "classes": len(manifest.classes),
              "batch_size": args.batch_size, "seed": args.seed}
@@ -366,6 +371,21 @@ def main(args: argparse.Namespace) -> int:
     if total.samples:
         print(report(total, val))
     return 0
+
+
+def resolve_device(name: str) -> str:
+    """``auto``: CUDA when this host has it, else the CPU; anything else as given, checked."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this host has no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
+    return name
 
 
 def describe_plan(model: StagedModel, plan: Plan) -> str:
