@@ -101,11 +101,38 @@ REQUEST_SIZE = 32
 VAL_PER_CLASS = 2  # the run validates, as a user's does; a few samples keep it short
 
 
+# A plan: each of its candidates (split, wire dtype) with its share of the batches.
+PlanKey = tuple[tuple[tuple[int, str], float], ...]
+
+
+def single(split: int, dtype: str) -> PlanKey:
+    return (((split, dtype), 1.0),)
+
+
+class Mixed:
+    """Deals the batches between sources by their shares, as the planner does: each batch to
+    the source furthest behind its share of the samples dealt."""
+
+    settled = True
+
+    def __init__(self, sources: list, shares: list[float]) -> None:
+        self.sources, self.shares, self.dealt = sources, shares, [0.0] * len(sources)
+
+    def pick(self, samples: int):
+        total = sum(self.dealt) + samples
+        part = max(range(len(self.sources)), key=lambda i: self.shares[i] * total - self.dealt[i])
+        self.dealt[part] += samples
+        return self.sources[part]
+
+    def arrived(self, part, samples: int) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class AutoRun:
     """What a ``hapi.train --split auto`` run settled on, and how its planner priced the candidates."""
 
-    settled: tuple[int, str]  # (split, dtype) of its last training step
+    settled: PlanKey  # the plan it settled on: (split, dtype) and share of each of its candidates
     seconds: float  # the whole command's wall time
     switches: int  # switch records in its metrics.jsonl (explorations included)
     predicted: dict[str, dict]  # candidate label -> its --explain line, parsed
@@ -126,9 +153,14 @@ def run_auto(storage: StorageHost, name: str, image_size: int, batch_size: int, 
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
     logging.info("%s b%d: hapi.train --split auto, %.1f s:\n%s", name, batch_size, seconds, done.stdout)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in records if "step" in r][-1]
-    return AutoRun((int(last["split"]), last["dtype"]), seconds, sum("switch" in r for r in records),
-                   parse_explain(done.stdout))
+    moves = [r["switch"] for r in records if "switch" in r and not r["switch"]["why"].startswith("exploring")]
+    if moves:
+        settled = tuple(((c["split"], c["dtype"]), round(share, 2))
+                        for c, share in zip(moves[-1]["parts"], moves[-1]["shares"]))
+    else:
+        first = next(r for r in records if "step" in r)
+        settled = single(int(first["split"]), first["dtype"])
+    return AutoRun(settled, seconds, sum("switch" in r for r in records), parse_explain(done.stdout))
 
 
 def parse_explain(text: str) -> dict[str, dict]:
@@ -136,6 +168,10 @@ def parse_explain(text: str) -> dict[str, dict]:
     per sample), the run's own reading of it (None: not measured) and its bottleneck."""
     table = {}
     for line in text.splitlines():
+        if line.startswith("plan: "):  # the plan the run ended with, which may share batches
+            label, _, rest = line[len("plan: "):].partition(", model ")
+            table[label] = {"pace_ms": float(rest.split()[0]), "measured_ms": None, "bottleneck": ""}
+            continue
         tokens = line.split()
         if tokens[:1] == ["all-in-compute"]:
             label, rest = tokens[0], tokens[1:]
@@ -152,9 +188,13 @@ def parse_explain(text: str) -> dict[str, dict]:
     return table
 
 
-def label_of(split: int, dtype: str) -> str:
-    """A candidate's label, as the planner writes it."""
-    return "all-in-compute" if split == ALL_IN_COMPUTE else f"split {split} {dtype}"
+def label_of(plan: PlanKey) -> str:
+    """A plan's label, as the planner writes it."""
+    def one(split: int, dtype: str) -> str:
+        return "all-in-compute" if split == ALL_IN_COMPUTE else f"split {split} {dtype}"
+    if len(plan) == 1:
+        return one(*plan[0][0])
+    return " + ".join(f"{share:.0%} {one(*key)}" for key, share in plan)
 
 
 def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, args: argparse.Namespace,
@@ -167,7 +207,7 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
     transform = TransformSpec(crop_size=image_size, resize_size=round(image_size * 256 / 224))
     template = ExtractRequest(keys=(), model=name, split=0, transform=transform, job_id="sweep")
     sources = Sources([StorageClient(storage.node)], storage.store, template, transform)
-    keys = [(ALL_IN_COMPUTE, "float32")] + [(s, "float32") for s in range(model.spec.freeze_index + 1)]
+    keys = [single(ALL_IN_COMPUTE, "float32")] + [single(s, "float32") for s in range(model.spec.freeze_index + 1)]
     if auto.settled not in keys:
         keys.append(auto.settled)
     chosen = auto.settled
@@ -175,19 +215,20 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
     def step(batch: Batch) -> None:
         trainer.train_step(batch.features, batch.labels, batch.split)
 
-    def measure(key: tuple[int, str], timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
-        return window_ms(sources.build(*key)[0], step, samples, batch_size, REQUEST_SIZE, args.depth, args.warmup,
-                         timed, give_up_ms)
+    def measure(key: PlanKey, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
+        parts = [sources.build(*candidate)[0] for candidate, _ in key]
+        source = parts[0] if len(parts) == 1 else Mixed(parts, [share for _, share in key])
+        return window_ms(source, step, samples, batch_size, REQUEST_SIZE, args.depth, args.warmup, timed, give_up_ms)
 
-    def predicted(key: tuple[int, str]) -> dict:
-        return auto.predicted.get(label_of(*key), {})
+    def predicted(key: PlanKey) -> dict:
+        return auto.predicted.get(label_of(key), {})
 
-    rows: dict[tuple[int, str], dict] = {}
+    rows: dict[PlanKey, dict] = {}
     best_ms = float("inf")  # per iteration
     # Screening: a short window for every candidate, most promising first, so that a slow
     # one can be given up on early; never the choice, whose verdict rests on long windows.
     for key in sorted(keys, key=lambda k: predicted(k).get("pace_ms", math.inf)):
-        split, dtype = key
+        split = max(key, key=lambda part: part[1])[0][0]  # a mix's: its larger part's
         p = predicted(key)
         # The link alone takes bytes / bandwidth: a physical lower bound, not the cost model.
         link_bound_ms = p.get("bytes_per_sample", 0.0) * batch_size / (bandwidth * 1e6 / 8) * 1e3
@@ -199,7 +240,7 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
         if not stopped:
             best_ms = min(best_ms, measured)
         rows[key] = {"bandwidth_mbit": bandwidth, "model": name, "image_size": image_size, "batch_size": batch_size,
-                     "candidate": label_of(*key), "split": split,
+                     "candidate": label_of(key), "split": split,
                      "stage": "-" if split <= 0 else model.stage_names[split - 1],
                      "bytes_per_sample": round(p.get("bytes_per_sample", 0.0)),
                      "predicted_ms": round(p["pace_ms"] * batch_size, 1) if p else "",
@@ -209,12 +250,12 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
                      "run_measured": p.get("measured_ms") is not None, "run_s": round(auto.seconds, 1),
                      "run_switches": auto.switches}
         logging.info("%s %g Mbit/s b%d %-20s predicted %7s measured %s%7.1f ms/iter", name, bandwidth, batch_size,
-                     label_of(*key), rows[key]["predicted_ms"], ">" if stopped else " ", measured)
+                     label_of(key), rows[key]["predicted_ms"], ">" if stopped else " ", measured)
     compare(rows, chosen, measure, args)
     return list(rows.values())
 
 
-def compare(rows: dict[tuple[int, str], dict], chosen: tuple[int, str], measure, args: argparse.Namespace) -> None:
+def compare(rows: dict[PlanKey, dict], chosen: PlanKey, measure, args: argparse.Namespace) -> None:
     """Selection and confirmation (see the module's docstring): the choice against its
     rivals in long windows, each bracketed by long windows of the choice. Fills in the rows'
     long windows and ratios."""
@@ -227,7 +268,7 @@ def compare(rows: dict[tuple[int, str], dict], chosen: tuple[int, str], measure,
     iterations = {key: max(args.long_iterations, math.ceil(args.window_s * 1e3 / rows[key]["measured_ms"]))
                   for key in (*rivals, chosen)}
 
-    def long_window(key: tuple[int, str]) -> float:
+    def long_window(key: PlanKey) -> float:
         """One more long window; the candidate's time is the median of its long windows."""
         row = rows[key]
         ms = measure(key, iterations[key])[0]
@@ -236,7 +277,7 @@ def compare(rows: dict[tuple[int, str], dict], chosen: tuple[int, str], measure,
                    long_windows_ms=" ".join(f"{t:.1f}" for t in times))
         return ms
 
-    def bracketed(key: tuple[int, str], before: float) -> tuple[float, float]:
+    def bracketed(key: PlanKey, before: float) -> tuple[float, float]:
         """(a rival's long window over the mean of the choice's before and after it; after)."""
         theirs = long_window(key)
         after = long_window(chosen)
