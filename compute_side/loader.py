@@ -19,6 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from compute_side.feature_cache import CacheScope
 from compute_side.sources import Part
 from hapi.datasets import Sample
 
@@ -68,6 +69,7 @@ class Batch:
     wait_s: float  # time the trainer waited for it
     elapsed_ms: float  # summed wall time of its requests
     timings: dict[str, float] = field(default_factory=dict)  # summed over its requests, ms
+    cached: bool = False  # served from the feature cache: nothing crossed the network, no planner heard of it
 
 
 def epoch_order(samples: Sequence[Sample], epoch: int, seed: int, shuffle: bool = True) -> list[Sample]:
@@ -106,12 +108,18 @@ class PipelinedLoader:
     ``depth`` 0 fetches each batch only when the trainer asks for it: no overlap, the
     baseline of the overlap benchmark. ``source`` is one source, or a ``Steering`` that
     picks each batch's source as it is sent (all of a batch's requests go to it).
+
+    With a ``cache``, a batch whose samples it holds is served from it whole: none of its
+    requests leave, and the steering neither picks a source for it nor hears of it (a
+    cache hit says nothing of the link or a node). Every reply is kept in it.
     """
 
-    def __init__(self, source: Source | Steering, request_size: int = 32, depth: int = 4) -> None:
+    def __init__(self, source: Source | Steering, request_size: int = 32, depth: int = 4,
+                 cache: CacheScope | None = None) -> None:
         self.steering = source if isinstance(source, Steering) else Fixed(source)
         self.request_size = request_size
         self.depth = depth
+        self.cache = cache
 
     def epoch(self, batches: Sequence[Sequence[Sample]], epoch: int) -> Iterator[Batch]:
         plans = [requests_of(batch, self.request_size) for batch in batches]
@@ -119,16 +127,20 @@ class PipelinedLoader:
         if self.depth == 0:
             for batch, plan in zip(batches, plans):
                 started = time.perf_counter()
+                hit = self.cache.get(batch) if self.cache is not None else None
+                if hit is not None:
+                    yield _assemble(batch, [hit], time.perf_counter() - started, cached=True)
+                    continue
                 source = steering.pick(len(batch))
                 parts = []
                 for chunk in plan:
                     parts.append(source.fetch(chunk, epoch))
-                    steering.arrived(parts[-1], len(chunk))
+                    self._arrived(parts[-1], chunk)
                 yield _assemble(batch, parts, time.perf_counter() - started)
             return
         queue = [(i, chunk) for i, plan in enumerate(plans) for chunk in plan]
         queue.reverse()  # popped from the end
-        in_flight: deque[tuple[int, Future[Part], int]] = deque()
+        in_flight: deque[tuple[int, Future[Part], list[Sample], bool]] = deque()  # (batch, part, samples, cached)
         # A batch's requests all go to the source picked when its first one left, so a
         # switch of source takes effect at a batch boundary.
         batch_source: dict[int, Source] = {}
@@ -138,28 +150,42 @@ class PipelinedLoader:
                     index, chunk = queue[-1]
                     if not steering.settled and in_flight and index != in_flight[0][0]:
                         return  # unsettled: only the batch in flight until it has arrived
-                    queue.pop()
                     if index not in batch_source:
+                        hit = self.cache.get(batches[index]) if self.cache is not None else None
+                        if hit is not None:  # in line with the requests, so batches still come in order
+                            while queue and queue[-1][0] == index:
+                                queue.pop()
+                            served: Future[Part] = Future()
+                            served.set_result(hit)
+                            in_flight.append((index, served, list(batches[index]), True))
+                            continue
                         batch_source[index] = steering.pick(len(batches[index]))
-                    in_flight.append((index, pool.submit(batch_source[index].fetch, chunk, epoch), len(chunk)))
+                    queue.pop()
+                    in_flight.append((index, pool.submit(batch_source[index].fetch, chunk, epoch), chunk, False))
 
             try:
                 for index, batch in enumerate(batches):
                     top_up()
                     started = time.perf_counter()
-                    parts = []
+                    parts, cached = [], False
                     while in_flight and in_flight[0][0] == index:
-                        _, future, samples = in_flight.popleft()
+                        _, future, chunk, cached = in_flight.popleft()
                         parts.append(future.result())
-                        steering.arrived(parts[-1], samples)
+                        if not cached:
+                            self._arrived(parts[-1], chunk)
                         top_up()
-                    yield _assemble(batch, parts, time.perf_counter() - started)
+                    yield _assemble(batch, parts, time.perf_counter() - started, cached)
             finally:
-                for _, future, _ in in_flight:
+                for _, future, _, _ in in_flight:
                     future.cancel()
 
+    def _arrived(self, part: Part, chunk: Sequence[Sample]) -> None:
+        self.steering.arrived(part, len(chunk))
+        if self.cache is not None:
+            self.cache.put(chunk, part)
 
-def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float) -> Batch:
+
+def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float, cached: bool = False) -> Batch:
     timings: dict[str, float] = {}
     for part in parts:
         for name, ms in part.timings.items():
@@ -172,8 +198,9 @@ def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float) -> Batc
         dtype=parts[0].dtype,
         wire_bytes=sum(p.wire_bytes for p in parts),
         raw_bytes=sum(s.size for s in batch),
-        requests=len(parts),
+        requests=0 if cached else len(parts),
         wait_s=wait_s,
         elapsed_ms=sum(p.elapsed_ms for p in parts),
         timings=timings,
+        cached=cached,
     )

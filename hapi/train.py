@@ -5,6 +5,9 @@ With no store given, it trains on the embedded default: a synthetic data set in 
 loopback port and stops at the end. With ``--store s3://bucket/prefix --endpoint-url URL
 --storage-node URL`` it trains against a real deployment. ``--split all-in-compute`` is
 the baseline without pushdown: raw objects fetched and run through the whole model here.
+
+It is one user of ``hapi.data``'s ``Pipeline``, as a user's own training loop is: the
+pipeline gives the batches, this script trains, validates, checkpoints and reports.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -26,24 +29,17 @@ from tqdm import tqdm
 
 from compute_side import deployment
 from compute_side.client import StorageNodeError
-from compute_side.loader import PipelinedLoader, batches_of, epoch_order
-from compute_side.sources import Planned, Sources
+from compute_side.feature_cache import parse_size
 from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
-from hapi.datasets import DatasetNotFoundError, Sample
-from hapi.measure import host_profile
-from hapi.models import MODELS, StagedModel, build_model
-from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner, Plan
-from hapi.store import MissingObjectError, open_store
-from hapi.transforms import CorruptImageError, TransformSpec
-from hapi.wire import WIRE_DTYPES, ExtractRequest
+from hapi.data import DEFAULT_DEPTH, DataConfig, Pipeline, default_cache_dir
+from hapi.datasets import DatasetNotFoundError
+from hapi.models import MODELS, StagedModel
+from hapi.planner import ALL_IN_COMPUTE, Plan
+from hapi.store import MissingObjectError
+from hapi.transforms import CorruptImageError
+from hapi.wire import WIRE_DTYPES
 
 log = logging.getLogger("hapi.train")
-
-DEFAULT_DEPTH = 4  # requests in flight; see the overlap benchmark in experiments/overlap.py
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("HAPI_CACHE", Path.home() / ".cache" / "hapi"))
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -72,6 +68,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-size", type=int, default=32, help="samples per request to a storage node")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
                    help="requests in flight while the trainer works (0: no overlap)")
+    p.add_argument("--feature-cache", type=parse_size, default=DataConfig.feature_cache, metavar="SIZE",
+                   help="bytes of features kept in memory for the epochs after the first, e.g. 512M or 2G "
+                        "(0: none); not for training features with --augment. Default 2G")
+    p.add_argument("--feature-cache-dir", type=Path, metavar="DIR",
+                   help="keep the cached features on local disk under DIR as safetensors, where later runs "
+                        "find them too (default: in memory, for this run)")
     p.add_argument("--output-dir", type=Path, help="checkpoints and metrics.jsonl (default: CACHE/runs/...)")
     p.add_argument("--resume", type=Path, help="a checkpoint.pt to continue from, mid-epoch too")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
@@ -198,21 +200,18 @@ class Checkpoints:
         os.replace(partial, self.path)
 
 
-def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tuple[Sample, ...], epoch: int,
-                    args: argparse.Namespace, metrics: MetricsLog, planner: OnlinePlanner | None = None,
-                    model: StagedModel | None = None, checkpoints: Checkpoints | None = None,
-                    done: int = 0) -> Totals:
+def train_one_epoch(trainer: HeadTrainer, data: Pipeline, epoch: int, args: argparse.Namespace, metrics: MetricsLog,
+                    checkpoints: Checkpoints | None = None, done: int = 0) -> Totals:
     """Trains the epoch's batches after the first ``done`` (trained by an earlier attempt);
     the totals count this attempt's steps only."""
-    batches = batches_of(epoch_order(samples, epoch, args.seed), args.batch_size)
+    planner, samples = data.planner, data.train_samples
+    batches = -(-len(samples) // args.batch_size)
     announced = len(planner.switches) if planner else 0
-    if planner is not None:
-        planner.restarted()
     totals = Totals()
     started = time.perf_counter()
-    with tqdm(total=len(samples), initial=sum(map(len, batches[:done])), desc=f"epoch {epoch + 1}/{args.epochs}",
-              unit="img", leave=False) as bar:
-        for step, batch in enumerate(loader.epoch(batches[done:], epoch), start=done):
+    with tqdm(total=len(samples), initial=min(done * args.batch_size, len(samples)),
+              desc=f"epoch {epoch + 1}/{args.epochs}", unit="img", leave=False) as bar:
+        for step, batch in enumerate(data.train(epoch, done), start=done):
             step_started = time.perf_counter()
             loss = trainer.train_step(batch.features, batch.labels, batch.split)
             compute_s = time.perf_counter() - step_started
@@ -223,64 +222,29 @@ def train_one_epoch(trainer: HeadTrainer, loader: PipelinedLoader, samples: tupl
                            "wire_bytes": batch.wire_bytes, "raw_bytes": batch.raw_bytes, "requests": batch.requests,
                            "elapsed_ms": batch.elapsed_ms, "source_ms": batch.timings, "keys": batch.keys})
             if planner is not None:
-                planner.trained(n, batch.wait_s, compute_s)
                 for sent, plan, why in planner.switches[announced:]:
-                    tqdm.write(f"planner: from sample {sent} on, {describe_plan(model, plan)} ({why})")
+                    tqdm.write(f"planner: from sample {sent} on, {describe_plan(data.model, plan)} ({why})")
                     metrics.write({"switch": {"at_sample": sent, "why": why, "plan": plan.label,
                                               "parts": [asdict(c) for c in plan.parts], "shares": plan.shares}})
                 announced = len(planner.switches)
             bar.update(n)
             bar.set_postfix(loss=f"{loss:.3f}")
             if checkpoints is not None:
-                checkpoints.step_done(epoch, step + 1, last=step + 1 == len(batches))
+                checkpoints.step_done(epoch, step + 1, last=step + 1 == batches)
     totals.seconds = time.perf_counter() - started
     return totals
 
 
-def evaluate(trainer: HeadTrainer, loader: PipelinedLoader, samples: tuple[Sample, ...],
-             args: argparse.Namespace) -> Totals:
+def evaluate(trainer: HeadTrainer, data: Pipeline) -> Totals:
     totals = Totals()
     started = time.perf_counter()
-    with tqdm(total=len(samples), desc="validate", unit="img", leave=False) as bar:
-        for batch in loader.epoch(batches_of(samples, args.batch_size), epoch=0):
+    with tqdm(total=len(data.val_samples), desc="validate", unit="img", leave=False) as bar:
+        for batch in data.validation():
             loss_sum, correct = trainer.evaluate_batch(batch.features, batch.labels, batch.split)
             totals.add(Totals(len(batch.keys), loss_sum, correct, batch.wire_bytes, batch.raw_bytes, batch.wait_s))
             bar.update(len(batch.keys))
     totals.seconds = time.perf_counter() - started
     return totals
-
-
-def resolve_split(model: StagedModel, value: str) -> int:
-    """A fixed split index, or ALL_IN_COMPUTE (raw objects, every stage here)."""
-    if value == "all-in-compute":
-        return ALL_IN_COMPUTE
-    split = model.spec.freeze_index if value == "freeze" else _int(value, "--split")
-    model.check_split(split)
-    return split
-
-
-def _int(value: str, flag: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{flag} {value!r}: expected auto, freeze, all-in-compute or an integer") from None
-
-
-def make_planner(args: argparse.Namespace, model: StagedModel, train: tuple[Sample, ...],
-                 val: tuple[Sample, ...], epochs: int) -> OnlinePlanner:
-    """The online planner for this run, from this host's profile of the model (shipped,
-    saved, or measured now on copies of the stages, touching nothing the run trains)."""
-    crop = args.image_size or model.spec.input_size
-    profile = host_profile(model, crop, args.cache_dir / "profiles", refresh=args.refresh_profile,
-                           device=torch.device(args.device))
-    requests_per_batch = -(-args.batch_size // args.request_size)
-    return OnlinePlanner(profile, model.spec.freeze_index, args.batch_size, epochs * (len(train) + len(val)),
-                         raw_bytes=sum(s.size for s in train) / len(train), dtypes=wire_dtypes(args),
-                         batches_in_flight=max(1, -(-args.depth // requests_per_batch)))
-
-
-def wire_dtypes(args: argparse.Namespace) -> tuple[str, ...]:
-    return tuple(args.dtypes.split(",")) if args.dtypes else (args.dtype,)
 
 
 def load_checkpoint(path: Path, expected: dict) -> dict:
@@ -297,12 +261,8 @@ def load_checkpoint(path: Path, expected: dict) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     args.device = resolve_device(args.device)  # checked before anything is built or read
-    model = build_model(args.model, args.weights, args.image_size)
-    fixed_split = None if args.split == "auto" else resolve_split(model, args.split)
-    store_url, manifest = deployment.open_dataset(args)
-    train_samples = manifest.split("train")
-    torch.manual_seed(args.seed)  # the new head's init and any dropout: same seed, same run
-    model.replace_head(len(manifest.classes))
+    data = Pipeline(DataConfig.from_args(args))  # the model with its new head, the data set; nothing started
+    model, manifest = data.model, data.manifest
     trainer = HeadTrainer(model, TrainConfig(optimizer=args.optimizer, lr=args.lr,
                                              device=args.device))
     # The split is not part of it: where features were computed never changes what is learned.
@@ -321,11 +281,6 @@ def main(args: argparse.Namespace) -> int:
                                   args.cache_dir / "runs" / f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    crop = args.image_size or model.spec.input_size
-    eval_transform = TransformSpec(crop_size=crop, resize_size=round(crop * 256 / 224), seed=args.seed)
-    template = ExtractRequest(keys=(), model=args.model, split=0, weights=model.weights_id,
-                              transform=replace(eval_transform, augment=args.augment),
-                              dtype=args.dtype, job_id=f"train-{os.getpid()}")
     attempt = last_attempt(run_dir / "metrics.jsonl") + 1
     metrics = MetricsLog(run_dir / "metrics.jsonl", attempt, resumed_from)
     checkpoints = Checkpoints(run_dir / "checkpoint.pt", setup, trainer, args.checkpoint_every)
@@ -334,30 +289,19 @@ def main(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         stack.callback(metrics.close)
         stack.enter_context(checkpoints.catching_sigterm())
-        clients = ([] if fixed_split == ALL_IN_COMPUTE else
-                   stack.enter_context(deployment.storage_nodes(args, store_url)))
-        store = open_store(store_url, args.endpoint_url)
-        sources = Sources(clients, store, template, eval_transform, model)
-        val_samples = manifest.split("val")
-        planner = None
-        if fixed_split is None:
-            planner = make_planner(args, model, train_samples, val_samples, args.epochs - start_epoch)
-            train_source, val_source = Planned(planner, sources), Planned(planner, sources, validation=True)
-            split = planner.plan.parts[0].split
-            print(f"planner: starting at {describe_split(model, split)}, the safest while the link is unmeasured; "
-                  "the run measures itself from its first batch on and moves when a move pays")
-        else:
-            split = fixed_split
-            train_source, val_source = sources.build(split, args.dtype)
-        train_loader = PipelinedLoader(train_source, args.request_size, args.depth)
-        val_loader = PipelinedLoader(val_source, args.request_size, args.depth)
-        print(f"HAPI: {args.model}, {describe_split(model, split)} (freeze index {model.spec.freeze_index}); "
-              f"data set {manifest.name!r} at {store_url}; run in {run_dir}")
+        stack.enter_context(data.running(epochs=args.epochs - start_epoch))
+        if data.planner is not None:
+            print(f"planner: starting at {describe_split(model, data.split)}, the safest while the link is "
+                  "unmeasured; the run measures itself from its first batch on and moves when a move pays")
+        if data.cache_note:
+            print(data.cache_note)
+        print(f"HAPI: {args.model}, {describe_split(model, data.split)} (freeze index {model.spec.freeze_index}); "
+              f"data set {manifest.name!r} at {data.store_url}; run in {run_dir}")
 
         for epoch in range(start_epoch, args.epochs):
-            stats = train_one_epoch(trainer, train_loader, train_samples, epoch, args, metrics, planner, model,
-                                    checkpoints, done if epoch == start_epoch else 0)
-            val = evaluate(trainer, val_loader, val_samples, args)
+            stats = train_one_epoch(trainer, data, epoch, args, metrics, checkpoints,
+                                    done if epoch == start_epoch else 0)
+            val = evaluate(trainer, data)
             checkpoints.save(epoch + 1, 0)
             metrics.write({"epoch": epoch, "train": asdict(stats), "val": asdict(val)})
             print(f"epoch {epoch + 1}: train loss {stats.loss_sum / stats.samples:.4f}, "
@@ -366,8 +310,8 @@ def main(args: argparse.Namespace) -> int:
             total.add(stats)
             if epoch + 1 < args.epochs:  # a SIGTERM in the last validation stops nothing left to do
                 checkpoints.stop_if_terminated(epoch + 1, 0)
-        if planner is not None and args.explain:
-            print(planner.explain(model.stage_names))
+        if data.planner is not None and args.explain:
+            print(data.planner.explain(model.stage_names))
     if total.samples:
         print(report(total, val))
     return 0
