@@ -195,10 +195,15 @@ class Pipeline:
         profile = host_profile(self.model, crop, c.cache_dir / "profiles", refresh=c.refresh_profile,
                                device=torch.device(c.device))
         requests_per_batch = -(-c.batch_size // c.request_size)
-        return OnlinePlanner(profile, self.model.spec.freeze_index, c.batch_size,
-                             epochs * (len(self.train_samples) + len(self.val_samples)),
+        # After the first epoch the feature cache serves validation, and training too
+        # unless augmentation draws new crops every epoch.
+        later = (epochs - 1) * ((0 if c.augment else len(self.train_samples)) + len(self.val_samples))
+        cached = later if c.feature_cache else 0
+        sent = epochs * (len(self.train_samples) + len(self.val_samples)) - cached
+        return OnlinePlanner(profile, self.model.spec.freeze_index, c.batch_size, sent,
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
-                             dtypes=c.dtypes or (c.dtype,), batches_in_flight=max(1, -(-c.depth // requests_per_batch)))
+                             dtypes=c.dtypes or (c.dtype,), batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
+                             cached_samples=cached)
 
     def train(self, epoch: int, done: int = 0) -> Iterator[Batch]:
         """The training batches of ``epoch``, shuffled from (seed, epoch), after the first

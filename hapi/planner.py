@@ -264,9 +264,12 @@ class OnlinePlanner:
 
     def __init__(self, profile: HostProfile, freeze: int, batch_size: int, run_samples: int, raw_bytes: float,
                  dtypes: tuple[str, ...] = ("float32",), batches_in_flight: int = 1,
-                 compute_memory_budget: float = math.inf, node_profile: HostProfile | None = None) -> None:
+                 compute_memory_budget: float = math.inf, node_profile: HostProfile | None = None,
+                 cached_samples: int = 0) -> None:
         """``profile``: this host's; ``node_profile``: the storage node's, where known (else
-        the node is priced as this host until its replies say otherwise)."""
+        the node is priced as this host until its replies say otherwise); ``run_samples``:
+        the samples the run will send; ``cached_samples``: those of later epochs that a
+        feature cache will serve instead (they cost this tier's work on them alone)."""
         self.profile, self.freeze, self.batch_size = profile, freeze, batch_size
         self.dtypes, self.memory_budget = dtypes, compute_memory_budget
         self.batches_in_flight = batches_in_flight
@@ -274,6 +277,7 @@ class OnlinePlanner:
             raw_bytes, node_forward_ms=node_profile.forward_ms, node_fixed_ms=node_profile.decode_ms)
         self.run_samples = run_samples  # validation included
         self.remaining = run_samples  # samples the run has yet to send
+        self.cached_samples = cached_samples
         self.explore_left = EXPLORE_SHARE * run_samples
         start = safest(self.options(), profile, freeze, self.conditions, batch_size, compute_memory_budget)
         self.plan = single(start)
@@ -300,8 +304,12 @@ class OnlinePlanner:
 
     def plans(self) -> list[Plan]:
         """Every feasible candidate alone, and every pair of them sharing the batches where
-        the pair is predicted faster than either alone by more than the model's error."""
+        the pair is predicted faster than either alone by more than the model's error.
+        Where a feature cache will serve later epochs, only single candidates: a later
+        epoch's batch would hold features of two splits, which the cache cannot serve together."""
         feasible = [c for c in self.options() if c.feasible]
+        if self.cached_samples:
+            return [single(c) for c in feasible]
         pairs = [mix(a, b) for i, a in enumerate(feasible) for b in feasible[i + 1:]]
         return [single(c) for c in feasible] + [
             p for p in pairs if len(p.parts) == 2 and p.pace_ms < min(c.pace_ms for c in p.parts) * (1 - MODEL_ERROR)]
@@ -379,6 +387,12 @@ class OnlinePlanner:
             return measured.pace_ms
         return plan.pace_ms
 
+    def run_ms(self, plan: Plan) -> float:
+        """What the rest of the run costs on ``plan``: the samples still to send at its pace,
+        and those a feature cache will serve at this tier's work on them."""
+        cached_ms = sum(c.compute_ms * share for c, share in zip(plan.parts, plan.shares))
+        return self.expected_ms(plan) * self.remaining + cached_ms * self.cached_samples
+
     def pick(self, samples: int, training: bool = True) -> Candidate:
         """The candidate for the next batch of ``samples`` samples (a training batch, whose
         step will be reported to ``trained``, or not)."""
@@ -408,15 +422,17 @@ class OnlinePlanner:
         if self._exploring is not None or waiting:
             return
         plans = self.plans()
-        incumbent_ms = self.expected_ms(self._repriced(self.plan))
-        best = min(plans, key=self.expected_ms)
+        incumbent = self._repriced(self.plan)
+        incumbent_ms = self.expected_ms(incumbent)
+        best = min(plans, key=self.run_ms)
         if best.key != self.plan.key:
             measured = best.key in self._measured and self._measured[best.key].paces
             # A measured pace must beat the incumbent's by more than the scatter of the
             # incumbent's own readings; a predicted one, by more than the model's error.
             margin = self._scatter() if measured else MODEL_ERROR
-            saved_ms = (incumbent_ms - self.expected_ms(best)) * self.remaining
-            if self.expected_ms(best) < incumbent_ms * (1 - margin) and saved_ms > best.fill_ms * self.batch_size:
+            saved_ms = self.run_ms(incumbent) - self.run_ms(best)
+            if (self.run_ms(best) < self.run_ms(incumbent) * (1 - margin)
+                    and saved_ms > best.fill_ms * self.batch_size):
                 self._switch(best, f"{'measured' if measured else 'predicted'} {self.expected_ms(best):.1f} "
                                    f"ms/sample against {incumbent_ms:.1f}")
                 return

@@ -280,3 +280,20 @@ def test_an_h200_on_a_slow_link_pushes_the_deep_prefix_down_even_to_a_cpu_node()
 def test_a_gpu_storage_node_takes_a_deeper_prefix_than_a_cpu_one() -> None:
     for bits in (1e9, 10e9):
         assert deepest(h200_best(bits, H200)) > deepest(h200_best(bits, CPU16))
+
+
+def test_when_a_feature_cache_serves_later_epochs_the_deepest_split_pays_for_itself() -> None:
+    def settled(cached_samples: int) -> Plan:
+        p = OnlinePlanner(PROFILE, FREEZE, BATCH, 1_000, RAW, batches_in_flight=2, cached_samples=cached_samples)
+        p.pick(BATCH)
+        # 128 MB/s, a node like this host: for one epoch, splitting early and training here
+        # is fastest ...
+        p.arrived(reply(3, BATCH, 0.0, 0.0005, **node_timings(3, BATCH, 1.0)))
+        p.pick(BATCH)
+        return p.plan
+
+    assert max(c.split for c in settled(0).parts) < FREEZE
+    # ... but when nine more epochs are read from the cache, each costs only this tier's
+    # work on the cached features: nothing after the freeze index beats the freeze index.
+    cached = settled(9_000)
+    assert len(cached.parts) == 1 and cached.parts[0].split == FREEZE
