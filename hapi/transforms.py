@@ -41,6 +41,10 @@ class CorruptImageError(ValueError):
     def __init__(self, key: str, reason: str) -> None:
         super().__init__(f"cannot decode image {key!r}: {reason}")
         self.key = key
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:  # raised in a decode worker process, re-raised in the daemon
+        return type(self), (self.key, self.reason)
 
 
 class ImageTooLargeError(ValueError):
@@ -49,7 +53,11 @@ class ImageTooLargeError(ValueError):
     def __init__(self, key: str, reason: str, limit: int) -> None:
         super().__init__(f"image {key!r} {reason}; the limit is {limit} pixels")
         self.key = key
+        self.reason = reason
         self.limit = limit
+
+    def __reduce__(self) -> tuple:
+        return type(self), (self.key, self.reason, self.limit)
 
 
 @dataclass(frozen=True)

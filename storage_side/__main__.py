@@ -22,6 +22,7 @@ from hapi.wire import TOKEN_ENV
 from storage_side.app import create_app
 from storage_side.config import DaemonConfig, option_help, parse_size
 from storage_side.memory import return_freed_memory_promptly
+from storage_side.parallel import pin_cores
 
 
 def _size(text: str) -> int:
@@ -50,6 +51,8 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
     add("--max-connections", "max_connections", type=int, default=d.max_connections)
     add("--client-timeout", "client_timeout_s", type=float, default=d.client_timeout_s)
     add("--io-threads", "io_threads", type=int, default=d.io_threads)
+    add("--cores", "cores", type=int, default=d.cores)
+    add("--decode-workers", "decode_workers", type=int, default=d.decode_workers)
     add("--torch-threads", "torch_threads", type=int, default=d.torch_threads)
     add("--compute-dtype", "compute_dtype", choices=("float32", "bfloat16"), default=d.compute_dtype)
     add("--memory-budget", "memory_budget", type=_size, default=d.memory_budget)
@@ -124,6 +127,11 @@ def setup_logging(log_format: str) -> None:
 def serve_gunicorn(app: Flask, config: DaemonConfig) -> None:
     from gunicorn.app.base import BaseApplication
 
+    # gunicorn serves from a worker it forks from this process, and a fork takes no threads
+    # or child processes along: the decoders stop here and start again in that worker.
+    decoder = app.extensions["hapi"]["decoder"]
+    decoder.close()
+
     class Server(BaseApplication):
         def load_config(self) -> None:
             self.cfg.set("bind", f"{config.host}:{config.port}")
@@ -137,6 +145,7 @@ def serve_gunicorn(app: Flask, config: DaemonConfig) -> None:
             # gunicorn's default control socket is one path per user, shared by every daemon of
             # that user; this daemon needs none (SIGTERM stops it), so it opens none.
             self.cfg.set("control_socket_disable", True)
+            self.cfg.set("post_worker_init", lambda worker: decoder.start())
 
         def load(self) -> Flask:
             return app
@@ -153,6 +162,13 @@ def serve_waitress(app: Flask, config: DaemonConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     config = parse_args(argv)
     setup_logging(config.log_format)
+    try:
+        # Before anything starts a thread or a worker: they all inherit the cores.
+        cores = pin_cores(config.cores)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger(__name__).info("running on cores %s", ",".join(map(str, cores)))
     # Only in the daemon's own process: it changes how the whole process allocates.
     if not return_freed_memory_promptly():
         logging.getLogger(__name__).warning("not glibc: resident memory may exceed what the budget counts")

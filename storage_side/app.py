@@ -22,11 +22,12 @@ from hapi.store import MissingObjectError, ObjectTooLargeError, open_store
 from hapi.transforms import CorruptImageError, ImageTooLargeError
 from hapi.wire import FEATURES_CONTENT_TYPE, ExtractRequest, ProfileRequest, WireError, parse_json
 from storage_side.admission import Admission
-from storage_side.config import DaemonConfig, usable_cpus
+from storage_side.config import DaemonConfig
 from storage_side.errors import RequestError
 from storage_side.executor import Extractor, RequestStats
 from storage_side.memory import default_memory_budget, process_rss_bytes
 from storage_side.metrics import Metrics
+from storage_side.parallel import ComputeTurns, Decoder, make_decoder
 from storage_side.prefix_cache import PrefixCache
 from storage_side.profile import profile_stages
 
@@ -52,16 +53,26 @@ def _json_body() -> object:
     return parse_json(request.get_data(cache=False))
 
 
-def memory_capacity(config: DaemonConfig) -> tuple[int, int, int]:
+def memory_capacity(config: DaemonConfig, workers_bytes: int = 0) -> tuple[int, int, int]:
     """(budget, baseline, capacity): what reservations may take is the budget less the
-    headroom and what the idle process already uses (interpreter, torch, server)."""
+    headroom and what the idle daemon already uses: its process (interpreter, torch,
+    server) and ``workers_bytes``, what its decode workers hold of their own."""
     budget = config.memory_budget or default_memory_budget()
-    baseline = process_rss_bytes()
+    baseline = process_rss_bytes() + workers_bytes
     capacity = int(budget * (1 - config.memory_headroom)) - baseline
     if config.adapt and capacity <= 0:
         raise ValueError(f"memory budget {budget} bytes leaves nothing to reserve: the idle daemon already uses "
-                         f"{baseline} and {config.memory_headroom:.0%} is headroom (raise --memory-budget)")
+                         f"{baseline} ({workers_bytes} of it in decode workers) and {config.memory_headroom:.0%} "
+                         "is headroom (raise --memory-budget, or use fewer --decode-workers)")
     return budget, baseline, capacity
+
+
+def parallel_capacity(config: DaemonConfig, decoder: Decoder, turns: ComputeTurns) -> dict[str, object]:
+    """What this node can run at once, for planners: its cores, forward passes and decoders.
+    ``threads_per_pass`` None: the cores are shared among the passes running at once."""
+    return {"cores": config.core_count(), "compute_slots": turns.slots or config.core_count(),
+            "threads_per_pass": config.torch_threads or None,
+            "decode_workers": decoder.workers, "decode_in": decoder.kind}
 
 
 def create_app(config: DaemonConfig) -> Flask:
@@ -71,17 +82,28 @@ def create_app(config: DaemonConfig) -> Flask:
     app = Flask("storage_side")
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
     store = open_store(config.store_url, config.endpoint_url)
-    budget, baseline, capacity = memory_capacity(config)
+    processes = config.decode_processes()
+    # Started before the budget is split: their memory is the daemon's too.
+    decoder = make_decoder(processes or config.core_count(), processes > 0)
+    try:
+        budget, baseline, capacity = memory_capacity(config, decoder.private_bytes())
+    except ValueError:
+        decoder.close()
+        raise
     admission = (Admission(capacity, config.max_queue, config.queue_timeout_s, config.running_limit())
                  if config.adapt else None)
     cache = PrefixCache(admission, config.weights_files, compute_dtype)
-    extractor = Extractor(store, cache, admission, config.io_threads, config.min_sub_batch, config.max_sub_batch,
-                          compute_dtype, config.compute_slots() if config.adapt else None,
-                          config.max_image_pixels, config.max_object_bytes, config.dataset_prefixes)
-    metrics = Metrics(budget, admission, cache)
-    app.extensions["hapi"] = {"admission": admission, "cache": cache, "extractor": extractor, "metrics": metrics}
-    log.info("memory budget %.0f MB: %.0f MB idle process, %.0f MB for models and requests (%s)",
+    turns = ComputeTurns(config.compute_slots() if config.adapt else None, config.core_count(), config.torch_threads)
+    extractor = Extractor(store, cache, admission, config.io_threads, decoder, turns, config.min_sub_batch,
+                          config.max_sub_batch, compute_dtype, config.max_image_pixels, config.max_object_bytes,
+                          config.dataset_prefixes)
+    metrics = Metrics(budget, admission, cache, decoder.private_bytes)
+    capacity_now = parallel_capacity(config, decoder, turns)
+    app.extensions["hapi"] = {"admission": admission, "cache": cache, "extractor": extractor, "metrics": metrics,
+                              "decoder": decoder}
+    log.info("memory budget %.0f MB: %.0f MB idle daemon, %.0f MB for models and requests (%s)",
              budget / 1e6, baseline / 1e6, capacity / 1e6, "adaptive" if admission else "NOT ADAPTIVE")
+    log.info("parallel capacity", extra={"fields": capacity_now})
 
     @app.before_request
     def authenticate():
@@ -117,6 +139,7 @@ def create_app(config: DaemonConfig) -> Flask:
             models=[{"name": s.name, "freeze_index": s.freeze_index, "input_size": s.input_size}
                     for s in MODELS.values()],
             loaded=[entry.describe() for entry in cache.loaded()],
+            node=capacity_now,
         )
 
     @app.post("/v1/extract")
@@ -165,14 +188,15 @@ def create_app(config: DaemonConfig) -> Flask:
             reservation = admission.admit(req.job_id, need, need) if admission is not None else None
             try:
                 # A compute turn like an extract request's: profiling shares the cores, it does not add to them.
-                with extractor.compute_turns:
+                with extractor.compute_turns as slot:
+                    slot.take_share()
                     stages = profile_stages(prefix, req.batch_sizes, req.repeats, compute_dtype)
             finally:
                 if reservation is not None:
                     reservation.release()
             return jsonify(model=req.model, weights=req.weights, input_size=req.input_size,
                            batch_sizes=list(req.batch_sizes), compute_dtype=config.compute_dtype,
-                           torch_threads=torch.get_num_threads(), cpu_count=usable_cpus(),
+                           torch_threads=torch.get_num_threads(), cpu_count=config.core_count(),
                            memory=prefix.memory.to_json(), stages=stages)
 
     @app.errorhandler(WireError)

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# From this many cores up, decoding runs in worker processes by default (see decode_workers).
+PROCESS_DECODE_FROM_CORES = 4
 
 
 def _option(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002  (argparse's name)
@@ -47,8 +47,19 @@ class DaemonConfig:
         1000, "open client connections (waitress); beyond it new ones wait in the kernel's accept queue")
     client_timeout_s: float = _option(
         30.0, "seconds a connection may stay idle or send nothing before it is closed (slow or stalled clients)")
-    io_threads: int = _option(8, "concurrent object GETs and image decodes, shared by all requests")
-    torch_threads: int = _option(0, "intra-op threads for the prefix; 0 leaves torch's default (one per core)")
+    io_threads: int = _option(8, "concurrent object GETs, shared by all requests")
+    cores: int = _option(
+        0, "cores this daemon runs on: it pins itself and its decode workers to the first N of the cores it "
+           "starts on (its CPU affinity: taskset, cpusets), leaving the rest to the object store on the same "
+           "node; every count below that defaults to the cores follows it. 0: all of them")
+    decode_workers: int | None = _option(
+        None, "processes that decode and transform images (one core each, off the daemon's GIL; each holds "
+              "~100 MB of its own, counted in the memory budget); 0 decodes on one thread per core of the "
+              "daemon's own process instead. Default: one process per core from 4 cores up; threads below, "
+              "where the GIL is not yet what limits decoding and the memory is better left to requests")
+    torch_threads: int = _option(
+        0, "intra-op threads of each forward pass; 0: the cores divided among the passes running at once, "
+           "read at each sub-batch (all of them for a request alone, one each when every compute slot is busy)")
     compute_dtype: str = _option(
         "float32", "float32, or bfloat16: run the prefix under CPU autocast (faster on CPUs with bf16 "
                    "units; features deviate by ~1e-2 relative to float32, see the README)")
@@ -68,8 +79,8 @@ class DaemonConfig:
               "at once, unqueued (the reference system's behaviour; for comparison only: it can run out of memory)")
     max_running: int = _option(
         0, "requests running at once (holding memory, fetching, decoding, computing); the rest wait their "
-           "turn. 0: one more than the cores can keep busy (cores / torch threads), so one request fetches "
-           "and decodes while the others compute")
+           "turn. 0: one more than the compute slots (one per core, or per --torch-threads cores), so one "
+           "request fetches and decodes while the others compute")
     max_queue: int = _option(64, "requests waiting for memory, over all jobs; beyond it: 503 + Retry-After")
     queue_timeout_s: float = _option(30.0, "seconds a request may wait for memory before 503 + Retry-After")
     max_keys_per_request: int = _option(1024, "keys per extract request; beyond it: 413")
@@ -115,10 +126,22 @@ class DaemonConfig:
                                  "empty segments (e.g. imagenet/)")
         if self.max_queue < 0 or self.queue_timeout_s < 0 or self.max_running < 0:
             raise ValueError("max_queue, max_running and queue_timeout_s must be >= 0")
+        if self.cores < 0 or self.torch_threads < 0 or (self.decode_workers or 0) < 0:
+            raise ValueError("cores, torch_threads and decode_workers must be >= 0")
+
+    def core_count(self) -> int:
+        """The cores this daemon uses: ``cores``, within those it may run on."""
+        return min(self.cores or usable_cpus(), usable_cpus())
 
     def compute_slots(self) -> int:
-        """Requests whose prefix runs at once: one per group of torch threads on this node's cores."""
-        return max(1, usable_cpus() // (self.torch_threads or torch.get_num_threads()))
+        """Forward passes run at once: one per group of ``torch_threads`` cores, or (auto) one per core."""
+        return max(1, self.core_count() // (self.torch_threads or 1))
+
+    def decode_processes(self) -> int:
+        """Decode worker processes: ``decode_workers``, or (auto) one per core from 4 cores up; 0: threads."""
+        if self.decode_workers is not None:
+            return self.decode_workers
+        return self.core_count() if self.core_count() >= PROCESS_DECODE_FROM_CORES else 0
 
     def running_limit(self) -> int:
         """``max_running``, or (0: auto) one more than the compute slots."""

@@ -3,21 +3,22 @@
 The sub-batch is the daemon's own choice: frozen stages run in eval mode, so a sample's
 features do not depend on what it is batched with, and the daemon sizes sub-batches to
 the memory it was granted without changing anything the trainer sees. Inside a request,
-the next sub-batch is decoded on the I/O threads while the prefix runs on this one.
+the next sub-batch is decoded (by worker processes, or threads: ``parallel``) while the
+prefix runs on this thread.
 
-Requests take turns to run their prefix, one per compute slot (a group of torch threads'
-cores), in about the order they came: requests sharing a core would all finish late and
-together, leaving the link idle while they compute and then crowding it. A request
-waiting for its turn has already fetched its objects and started decoding them.
+Requests take turns to run their prefix, one per compute slot, each pass on its share of
+the cores (``parallel.ComputeTurns``), in about the order they came: requests sharing a
+core would all finish late and together, leaving the link idle while they compute and
+then crowding it. A request waiting for its turn has already fetched its objects and
+started decoding them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,12 +26,13 @@ import torch
 from hapi.datasets import SHARD_SEPARATOR, read_samples
 from hapi.models import ModelSpec, UnknownModelError, get_spec
 from hapi.store import MissingObjectError, ObjectStore
-from hapi.transforms import check_pixels, preprocess, preprocess_peak_bytes, read_header
+from hapi.transforms import check_pixels, preprocess_peak_bytes, read_header
 from hapi.wire import WIRE_DTYPES, ExtractRequest, encode_features
 from storage_side.admission import Admission, Reservation
 from storage_side.config import is_plain_key
 from storage_side.errors import Busy, RequestError
 from storage_side.memory import PrefixMemory, SampleSizes, Staging, autocast_context
+from storage_side.parallel import ComputeTurns, Decoder, PendingBatch
 from storage_side.prefix_cache import LoadedPrefix, PrefixCache
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ class RequestCost:
     samples: int
     wire_itemsize: int
     staging: Staging
-    io_threads: int
+    decoders: int  # decodes in flight at once, over the whole daemon
 
     def bytes(self, sub_batch: int) -> int:
         out = self.memory.output_numel[self.split] * self.wire_itemsize
@@ -53,16 +55,15 @@ class RequestCost:
         # reserved throughout), its features, and their encoded copy for the response.
         resident = self.samples * (self.staging.raw_per_sample + 2 * out)
         # Held per sub-batch: the forward pass, the next sub-batch being decoded, and
-        # the full-size images being decoded for it on the I/O threads.
+        # the full-size images being decoded for it (on threads or in worker processes).
         transient = (self.memory.forward_bytes(self.split, sub_batch) + sub_batch * self.memory.input_bytes
-                     + min(sub_batch, self.io_threads) * self.staging.decode_peak)
+                     + min(sub_batch, self.decoders) * self.staging.decode_peak)
         return resident + transient
 
     def max_samples(self, nbytes: int) -> int:
         """The most samples a request can have and still fit ``nbytes`` one sample at a time."""
-        one = RequestCost(self.memory, self.split, 1, self.wire_itemsize, self.staging, self.io_threads)
-        per_sample = one.bytes(1) - RequestCost(self.memory, self.split, 0, self.wire_itemsize,
-                                                self.staging, self.io_threads).bytes(1)
+        one = replace(self, samples=1)
+        per_sample = one.bytes(1) - replace(self, samples=0).bytes(1)
         return max(0, (nbytes - one.bytes(1)) // max(per_sample, 1) + 1)
 
     def largest_sub_batch(self, nbytes: int, limit: int) -> int:
@@ -117,6 +118,7 @@ class RequestStats:
     """What one request did, for the response metadata, the metrics and the log."""
 
     sub_batch: int = 0
+    threads: int = 0  # intra-op threads of its last forward pass
     reserved_bytes: int = 0
     raw_bytes: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -126,8 +128,8 @@ class Extractor:
     """Turns an ExtractRequest into an encoded features blob, within its memory reservation."""
 
     def __init__(self, store: ObjectStore, cache: PrefixCache, admission: Admission | None,
-                 io_threads: int, min_sub_batch: int, max_sub_batch: int,
-                 compute_dtype: torch.dtype = torch.float32, compute_slots: int | None = None,
+                 io_threads: int, decoder: Decoder, compute_turns: ComputeTurns, min_sub_batch: int,
+                 max_sub_batch: int, compute_dtype: torch.dtype = torch.float32,
                  max_image_pixels: int = 1 << 26, max_object_bytes: int = 256 << 20,
                  dataset_prefixes: tuple[str, ...] = ()) -> None:
         self.store = store
@@ -136,13 +138,12 @@ class Extractor:
         self.dataset_prefixes = tuple(p.rstrip("/") + "/" for p in dataset_prefixes)
         self.cache = cache
         self.admission = admission
-        self.io_threads = io_threads
+        self.decoder = decoder
+        self.compute_turns = compute_turns
         self.min_sub_batch = min_sub_batch
         self.max_sub_batch = max_sub_batch
         self.compute_dtype = compute_dtype
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="io")
-        # None: prefixes run whenever their requests arrive (no adaptation, for comparison only).
-        self.compute_turns = threading.Semaphore(compute_slots) if compute_slots else contextlib.nullcontext()
         # Before any request has been seen: a ~100 KB JPEG of ~500x400 px, like ImageNet's.
         self.sample_sizes = SampleSizes(Staging(raw_per_sample=128 << 10, decode_peak=2 * 500 * 400 * 3))
 
@@ -182,7 +183,7 @@ class Extractor:
                               request.job_id) as prefix:
             timings["load_ms"] = _ms_since(started)
             cost = RequestCost(prefix.memory, request.split, len(request.keys), WIRE_DTYPES[request.dtype].itemsize,
-                               self.sample_sizes.estimate(), self.io_threads)
+                               self.sample_sizes.estimate(), self.decoder.workers)
             started = time.perf_counter()
             reservation = self._admit(request, cost)
             timings["queue_ms"] = _ms_since(started)
@@ -250,32 +251,36 @@ class Extractor:
         stages = prefix.stages[: request.split]
         features: torch.Tensor | None = None
 
-        def decode(i: int) -> torch.Tensor:
-            blob, blobs[i] = blobs[i], None  # the encoded bytes are not needed once decoded
-            return preprocess(blob, request.keys[i], request.transform, request.epoch, self.max_image_pixels)
-
-        def submit(start: int) -> list[Future[torch.Tensor]]:
-            return [self.pool.submit(decode, i) for i in range(start, min(start + sub_batch, n))]
+        def submit(start: int) -> PendingBatch:
+            end = min(start + sub_batch, n)
+            chunk, blobs[start:end] = blobs[start:end], [None] * (end - start)  # the decoder holds them now
+            return self.decoder.submit(chunk, request.keys[start:end], request.transform, request.epoch,
+                                       self.max_image_pixels)
 
         decode_wait = forward_s = 0.0
-        pending = submit(0)
+        pending: PendingBatch | None = submit(0)
         started = time.perf_counter()
-        with self.compute_turns:
-            timings["turn_wait_ms"] = _ms_since(started)
-            for start in range(0, n, sub_batch):
-                waited = time.perf_counter()
-                inputs = torch.stack(_results(pending))
-                decode_wait += time.perf_counter() - waited
-                pending = submit(start + sub_batch) if start + sub_batch < n else []
-                ran = time.perf_counter()
-                with torch.inference_mode(), autocast_context(self.compute_dtype):
-                    out = stages(inputs)
-                del inputs
-                if features is None:
-                    features = torch.empty((n, *out.shape[1:]), dtype=WIRE_DTYPES[request.dtype])
-                features[start: start + len(out)] = out
-                del out
-                forward_s += time.perf_counter() - ran
+        try:
+            with self.compute_turns:
+                timings["turn_wait_ms"] = _ms_since(started)
+                for start in range(0, n, sub_batch):
+                    waited = time.perf_counter()
+                    inputs = pending.result()
+                    decode_wait += time.perf_counter() - waited
+                    pending = submit(start + sub_batch) if start + sub_batch < n else None
+                    ran = time.perf_counter()
+                    stats.threads = self.compute_turns.take_share()
+                    with torch.inference_mode(), autocast_context(self.compute_dtype):
+                        out = stages(inputs)
+                    del inputs
+                    if features is None:
+                        features = torch.empty((n, *out.shape[1:]), dtype=WIRE_DTYPES[request.dtype])
+                    features[start: start + len(out)] = out
+                    del out
+                    forward_s += time.perf_counter() - ran
+        finally:
+            if pending is not None:  # the request failed: what is not decoded yet never will be
+                pending.cancel()
         timings["decode_wait_ms"] = round(decode_wait * 1e3, 3)
         timings["forward_ms"] = round(forward_s * 1e3, 3)
 
@@ -288,7 +293,7 @@ class Extractor:
         started = time.perf_counter()
         stage_name = prefix.stage_names[request.split - 1] if request.split else "input"
         metadata = {"split": request.split, "stage": stage_name, "timings": timings,
-                    "raw_bytes": stats.raw_bytes, "sub_batch": sub_batch}
+                    "raw_bytes": stats.raw_bytes, "sub_batch": sub_batch, "threads": stats.threads}
         blob = encode_features(features, request.keys, metadata)
         timings["encode_ms"] = _ms_since(started)
         return blob
@@ -315,16 +320,6 @@ class Extractor:
             return 1
         reservation.shrink(cost.bytes(fitting))  # what it will not use, others may
         return fitting
-
-
-def _results(futures: list[Future[torch.Tensor]]) -> list[torch.Tensor]:
-    """Every result, in order; on an error, the first one raised, and the rest cancelled."""
-    try:
-        return [f.result() for f in futures]
-    except BaseException:
-        for f in futures:
-            f.cancel()
-        raise
 
 
 def _ms_since(started: float) -> float:

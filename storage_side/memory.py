@@ -55,6 +55,21 @@ def process_rss_bytes() -> int:
         return peak_rss_bytes()
 
 
+def process_private_bytes(pid: int) -> int:
+    """Memory only process ``pid`` holds (its private pages): what it adds to the node beyond
+    the libraries it maps, which the daemon's own resident memory counts already."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return 1024 * sum(int(line.split()[1]) for line in f
+                              if line.startswith(("Private_Clean:", "Private_Dirty:", "Swap:")))
+    except OSError:  # no smaps_rollup (before Linux 4.14), or the process has ended
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                return 1024 * next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            return 0
+
+
 def peak_rss_bytes() -> int:
     """The most resident memory this process has had."""
     try:

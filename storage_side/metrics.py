@@ -6,6 +6,8 @@ A registry per app, not prometheus_client's global one, so several apps in one p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from storage_side.admission import Admission
@@ -17,7 +19,8 @@ STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 
 class Metrics:
-    def __init__(self, budget: int, admission: Admission | None, cache: PrefixCache) -> None:
+    def __init__(self, budget: int, admission: Admission | None, cache: PrefixCache,
+                 workers_bytes: Callable[[], int] = lambda: 0) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("hapi_storage_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=registry)
@@ -35,6 +38,8 @@ class Metrics:
               registry=registry).set(budget)
         Gauge("hapi_storage_process_resident_bytes", "Resident memory of this process now",
               registry=registry).set_function(process_rss_bytes)
+        Gauge("hapi_storage_decode_workers_private_bytes", "Memory the decode worker processes hold of their own "
+              "(counted in the budget)", registry=registry).set_function(workers_bytes)
         Gauge("hapi_storage_process_peak_resident_bytes", "The most resident memory this process has had",
               registry=registry).set_function(peak_rss_bytes)
         Gauge("hapi_storage_models_loaded", "Prefixes loaded", registry=registry).set_function(

@@ -1,0 +1,347 @@
+"""How the daemon uses its cores: where it runs, who decodes, and turns at the prefix.
+
+Three kinds of work share a node's cores: decoding images (split 0 is nothing else),
+running the frozen prefix, and serving HTTP. Decoding runs either on threads of the
+daemon's own process (torchvision's decoders and torch's resize release the GIL, but
+reading headers and dispatching each op hold it) or in worker processes, one per core,
+which hold no GIL of the daemon's at all. A worker writes its samples' normalised
+tensors straight into the sub-batch's buffer in shared memory, so the decoded pixels are
+never pickled or copied between processes; only the encoded bytes travel to it.
+
+Forward passes take turns, one per compute slot; each runs on its share of the cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import mmap
+import multiprocessing
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from itertools import count
+from typing import Protocol
+
+import torch
+from PIL import Image
+
+from hapi.transforms import TransformSpec, preprocess
+from storage_side.errors import Busy
+from storage_side.memory import process_private_bytes, return_freed_memory_promptly
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"  # tmpfs: a sub-batch's buffer never touches a disk
+
+
+def pin_cores(count: int) -> list[int]:
+    """Pin this process, every thread it has, to ``count`` of the cores it may run on now (0: all).
+
+    Threads started before (torch's, the logger's) are pinned too; processes started after
+    (decode workers) inherit the cores. Returns the cores, in order.
+    """
+    allowed = sorted(os.sched_getaffinity(0))
+    if count > len(allowed):
+        raise ValueError(f"--cores {count}: this process may run on {len(allowed)} cores only ({allowed})")
+    cores = allowed[:count] if count else allowed
+    try:
+        tasks = [int(task) for task in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the calling thread is all that can be pinned
+        tasks = [0]
+    for task in tasks:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(task, cores)
+    return cores
+
+
+class ComputeTurns:
+    """Forward passes run at once, one per slot, each on its share of the cores.
+
+    A pass takes ``threads`` intra-op threads when that is set; otherwise the cores divided
+    among the passes running now, read at each sub-batch: a request alone gets every core,
+    and when every slot is busy each pass runs on one core, where a convolution spends no
+    time synchronising threads. torch's thread count belongs to the calling thread (OpenMP's
+    does), so each pass sets its own. ``slots`` None: passes run whenever they come
+    (no adaptation, for comparison only).
+    """
+
+    def __init__(self, slots: int | None, cores: int, threads: int = 0) -> None:
+        self.slots = slots
+        self.cores = cores
+        self.threads = threads
+        self.busy = 0
+        self._free = threading.Semaphore(slots) if slots else None
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> ComputeTurns:
+        if self._free is not None:
+            self._free.acquire()
+        with self._lock:
+            self.busy += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self.busy -= 1
+        if self._free is not None:
+            self._free.release()
+
+    def take_share(self) -> int:
+        """Set this thread's intra-op threads to its share of the cores now; returns it."""
+        threads = self.threads or max(1, self.cores // max(self.busy, 1))
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return threads
+
+
+class PendingBatch(Protocol):
+    def result(self) -> torch.Tensor:
+        """The sub-batch's inputs, (n, 3, crop, crop) float32; raises the first sample's error."""
+
+    def cancel(self) -> None:
+        """Drop what has not started; the buffer is freed once nothing uses it."""
+
+
+class Decoder(Protocol):
+    workers: int  # decodes in flight at once
+    kind: str  # "threads" or "processes"
+
+    def submit(self, blobs: Sequence[bytes], keys: Sequence[str], spec: TransformSpec, epoch: int,
+               max_pixels: int) -> PendingBatch: ...
+
+    def private_bytes(self) -> int:
+        """Memory this decoder's processes hold beyond the daemon's own (0 for threads)."""
+
+    def start(self) -> None:
+        """Start again after ``close``: in a process forked from the one that closed it."""
+
+    def close(self) -> None: ...
+
+
+def _results(futures: Sequence[Future]) -> list:
+    """Every result, in order; on an error, the first one raised, and the rest cancelled."""
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        raise
+
+
+def _one_thread() -> None:
+    # A decode is one core's work: torch's resize would otherwise start a team of threads
+    # per decoding thread, many times more threads than cores.
+    torch.set_num_threads(1)
+
+
+class _ThreadBatch:
+    def __init__(self, futures: list[Future[torch.Tensor]]) -> None:
+        self.futures = futures
+
+    def result(self) -> torch.Tensor:
+        return torch.stack(_results(self.futures))
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+
+
+class ThreadDecoder:
+    """Decodes on ``workers`` threads of the daemon's own process."""
+
+    kind = "threads"
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.pool: ThreadPoolExecutor | None = None
+        self.start()
+
+    def submit(self, blobs: Sequence[bytes], keys: Sequence[str], spec: TransformSpec, epoch: int,
+               max_pixels: int) -> _ThreadBatch:
+        if self.pool is None:
+            raise RuntimeError("the decode threads are not started")
+        return _ThreadBatch([self.pool.submit(preprocess, blob, key, spec, epoch, max_pixels)
+                             for blob, key in zip(blobs, keys, strict=True)])
+
+    def private_bytes(self) -> int:
+        return 0
+
+    def start(self) -> None:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="decode", initializer=_one_thread)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            self.pool = None
+
+
+# --- worker processes --------------------------------------------------------------
+
+
+def _init_worker() -> None:
+    _one_thread()
+    return_freed_memory_promptly()  # what a decode frees goes back to the system, as in the daemon
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the daemon's to handle, then ours
+
+
+def _warm_up() -> int:
+    """Load the decoders' code paths once (the first decode allocates their tables)."""
+    image = io.BytesIO()
+    Image.new("RGB", (16, 16), (120, 80, 40)).save(image, format="JPEG")
+    preprocess(image.getvalue(), "warm-up", TransformSpec(crop_size=8, resize_size=8))
+    return os.getpid()
+
+
+def _decode_into(path: str, shape: tuple[int, ...], start: int, blobs: Sequence[bytes], keys: Sequence[str],
+                 spec: TransformSpec, epoch: int, max_pixels: int) -> None:
+    """Decode samples ``start...`` of a sub-batch into its buffer at ``path``; runs in a worker."""
+    with open(path, "r+b") as f:
+        buffer = mmap.mmap(f.fileno(), 0)
+    out = torch.frombuffer(buffer, dtype=torch.float32).view(shape)
+    try:
+        for i, (blob, key) in enumerate(zip(blobs, keys, strict=True)):
+            out[start + i] = preprocess(blob, key, spec, epoch, max_pixels)
+    finally:
+        del out  # no view of the mapping may outlive it, not even in a traceback
+        buffer.close()
+
+
+class _SharedBatch:
+    """A sub-batch being decoded by workers into a file on tmpfs, mapped here too."""
+
+    def __init__(self, path: str, shape: tuple[int, ...]) -> None:
+        self.path = path
+        self.shape = shape
+        self.futures: list[Future[None]] = []
+        nbytes = max(1, torch.Size(shape).numel() * torch.float32.itemsize)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Allocated now: a full tmpfs fails here, not as a SIGBUS in a worker writing to it.
+            os.posix_fallocate(fd, 0, nbytes)
+            self.buffer = mmap.mmap(fd, nbytes)
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+
+    def result(self) -> torch.Tensor:
+        try:
+            _results(self.futures)
+        except BrokenProcessPool:
+            raise Busy("decoder_restarted", "a decode worker died (a decoder crashed on an image); the "
+                       "workers were restarted: retry", 1) from None
+        finally:
+            self._unlink()
+        # The tensor keeps the mapping alive; its pages are freed when the tensor is.
+        return torch.frombuffer(self.buffer, dtype=torch.float32).view(self.shape)
+
+    def cancel(self) -> None:
+        for f in self.futures:
+            f.cancel()
+        self._unlink()
+
+    def _unlink(self) -> None:
+        # Workers open the file by name only while decoding: once they are done, the name goes.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class ProcessDecoder:
+    """Decodes in ``workers`` processes; a sub-batch is cut into one run of samples per worker."""
+
+    kind = "processes"
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._names = count()
+        self._lock = threading.Lock()
+        self.pool: ProcessPoolExecutor | None = None
+        self._in_process: ThreadDecoder | None = None  # where shared memory runs out
+        self.start()
+
+    def _start(self) -> ProcessPoolExecutor:
+        # spawn, not fork: the daemon has threads (the server's, torch's), and a forked
+        # child of a threaded process may inherit a lock held by one of them.
+        pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"), initializer=_init_worker)
+        # Each submit before a worker is idle starts another: all of them start now, not
+        # under the first request, and their memory can be measured.
+        for f in [pool.submit(_warm_up) for _ in range(self.workers)]:
+            f.result()
+        return pool
+
+    def submit(self, blobs: Sequence[bytes], keys: Sequence[str], spec: TransformSpec, epoch: int,
+               max_pixels: int) -> PendingBatch:
+        n = len(keys)
+        try:
+            batch = _SharedBatch(f"{SHM_DIR}/hapi-decode-{os.getpid()}-{next(self._names)}",
+                                 (n, 3, spec.crop_size, spec.crop_size))
+        except OSError as exc:
+            # A container's /dev/shm is often 64 MB: decode here, on threads, rather than fail.
+            with self._lock:
+                if self._in_process is None:
+                    log.warning("no room in %s for a sub-batch (%s): decoding on threads of this process; "
+                                "give the daemon a larger %s (docker run --shm-size)", SHM_DIR, exc, SHM_DIR)
+                    self._in_process = ThreadDecoder(self.workers)
+            return self._in_process.submit(blobs, keys, spec, epoch, max_pixels)
+        runs = min(n, self.workers)
+        bounds = [n * i // runs for i in range(runs + 1)]
+        pool = self.pool
+        if pool is None:
+            raise RuntimeError("the decode workers are not started")
+        try:
+            for lo, hi in zip(bounds, bounds[1:]):
+                batch.futures.append(pool.submit(_decode_into, batch.path, batch.shape, lo, blobs[lo:hi],
+                                                 keys[lo:hi], spec, epoch, max_pixels))
+        except BrokenProcessPool:
+            batch.cancel()
+            self._restart(pool)
+            raise Busy("decoder_restarted", "the decode workers were restarting; retry", 1) from None
+        for f in batch.futures:
+            f.add_done_callback(lambda f, pool=pool: self._restart_if_broken(pool, f))
+        return batch
+
+    def _restart_if_broken(self, pool: ProcessPoolExecutor, future: Future[None]) -> None:
+        if not future.cancelled() and isinstance(future.exception(), BrokenProcessPool):
+            # Off the pool's own thread, which is still failing the rest of its futures.
+            threading.Thread(target=self._restart, args=(pool,), daemon=True).start()
+
+    def _restart(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self.pool is not broken:
+                return  # another request restarted it already
+            log.error("a decode worker died; restarting the %d workers", self.workers)
+            broken.shutdown(wait=False, cancel_futures=True)
+            self.pool = self._start()
+
+    def pids(self) -> list[int]:
+        # The executor's own table of its workers: it has no public one.
+        return list(self.pool._processes) if self.pool is not None else []
+
+    def private_bytes(self) -> int:
+        return sum(process_private_bytes(pid) for pid in self.pids())
+
+    def start(self) -> None:
+        with self._lock:
+            if self.pool is None:
+                self.pool = self._start()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+                self.pool = None
+            if self._in_process is not None:
+                self._in_process.close()
+                self._in_process = None
+
+
+def make_decoder(workers: int, processes: bool) -> Decoder:
+    return ProcessDecoder(workers) if processes else ThreadDecoder(workers)
+
