@@ -6,24 +6,21 @@ object over the size cap, an image as thin as a thread that resizes to gigapixel
 profile requests that ask for minutes of CPU. Against the app in process, the daemon's
 own accounting must stay within its capacity and each bomb must be answered 4xx before
 it is decoded; against a real daemon, the kernel's count of its peak resident memory
-must stay within the budget.
+must stay within the budget. The bombs are built in ``experiments/attacks.py``, which
+``experiments/faults.py`` also measures against a served daemon.
 """
 
 from __future__ import annotations
 
-import io
-import struct
-import tarfile
 import time
-import zlib
 from collections.abc import Iterator
 
 import pytest
 import requests
 from flask import Flask
-from PIL import Image
 
 from compute_side.daemon_process import local_daemon
+from experiments.attacks import PROFILE_ABUSE, put_bombs
 from hapi.datasets import make_synthetic
 from hapi.store import FileStore
 from hapi.synthetic import render_jpeg
@@ -37,66 +34,11 @@ SPEC = TransformSpec(crop_size=32, resize_size=40)
 SPLIT = 4
 
 
-def jpeg_claiming(width: int, height: int) -> bytes:
-    """A real JPEG whose start-of-frame header is rewritten to ``width`` x ``height``, cut to its headers."""
-    jpeg = bytearray(render_jpeg(0, 0))
-    sof = jpeg.index(b"\xff\xc0")
-    jpeg[sof + 5: sof + 9] = struct.pack(">HH", height, width)
-    return bytes(jpeg[: jpeg.index(b"\xff\xda") + 20])  # headers and the start of the scan: ~700 bytes
-
-
-def gif_of_frames(frames: int, width: int = 1000, height: int = 1000) -> bytes:
-    """An animated GIF: ``frames`` one-pixel frames on a ``width`` x ``height`` canvas (~12 bytes a frame)."""
-    out = bytearray(b"GIF89a" + struct.pack("<HHBBB", width, height, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff")
-    for i in range(frames):
-        out += b"\x21\xf9\x04\x00\x01\x00\x00\x00"  # graphic control: 1/100 s a frame
-        out += b"\x2c" + struct.pack("<HHHHB", i % width, 0, 1, 1, 0)
-        out += b"\x02\x02\x44\x01\x00"  # LZW, code size 2: clear, pixel 0, end
-    return bytes(out + b"\x3b")
-
-
-def sparse_tar(member: str, declared: int) -> bytes:
-    """A tar whose one GNU sparse member declares ``declared`` bytes but stores 512."""
-    info = tarfile.TarInfo(member)
-    info.size, info.type = 512, tarfile.GNUTYPE_SPARSE
-    header = bytearray(info.tobuf(tarfile.GNU_FORMAT))
-    header[386:410] = b"%011o\x00%011o\x00" % (declared - 512, 512)  # one region: the last 512 bytes
-    header[483:495] = b"%011o\x00" % declared  # the real size
-    header[148:156] = b"        "
-    header[148:156] = b"%06o\x00 " % sum(header)
-    return bytes(header) + b"\x00" * 512 + b"\x00" * 1024
-
-
-def png(width: int, height: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (width, height), (10, 200, 30)).save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A 4x4 PNG whose header says ``width`` x ``height`` (with a valid header checksum)."""
-    data = bytearray(png(4, 4))
-    data[16:24] = struct.pack(">II", width, height)
-    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
-    return bytes(data)
-
-
-BOMBS = {
-    "bomb/huge-header.jpg": jpeg_claiming(30_000, 30_000),
-    "bomb/700-frames.gif": gif_of_frames(700),
-    "bomb/huge-header.png": png_claiming(60_000, 60_000),
-    "bomb/sparse.tar": sparse_tar("a.jpg", 2 << 30),
-    "bomb/thread.png": png(1, 20_000),  # resized to a 40-pixel short side: 40 x 800000
-}
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> FileStore:
     store = FileStore(tmp_path_factory.mktemp("store"))
     make_synthetic(store, 1, 0)
-    for key, blob in BOMBS.items():
-        store.put(key, blob)
-    store.put("bomb/oversized.jpg", render_jpeg(1, 1) + b"\x00" * (300 << 10))
+    put_bombs(store)
     return store
 
 
@@ -166,7 +108,7 @@ def test_objects_larger_than_their_estimate_are_charged_before_they_are_read(sto
 
 
 @pytest.mark.parametrize("body, status, code", [
-    ({"model": "resnet18", "batch_sizes": [1] * 100, "repeats": 20}, 400, "bad_request"),
+    (PROFILE_ABUSE, 400, "bad_request"),
     ({"model": "resnet18", "batch_sizes": [60, 59, 58, 57], "repeats": 10}, 413, "profile_too_large"),
     ({"model": "resnet18", "batch_sizes": [65], "repeats": 1}, 413, "batch_too_large"),
     ({"model": "resnet18", "batch_sizes": [1, 2, 4], "repeats": 2, "input_size": 64}, 200, None),

@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from experiments.attacks import encode_json, json_values, near_requests, request_payloads
 from hapi.transforms import TransformSpec
 from hapi.wire import ExtractRequest, ProfileRequest, WireError, decode_features, encode_features, parse_json
 from storage_side.app import create_app
@@ -22,36 +23,8 @@ from storage_side.config import DaemonConfig
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-# JSON values of every kind, with the surrogates, non-finite floats and huge numbers JSON text can carry.
-scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(st.characters(codec=None), max_size=8)
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=20)
-
-# Bodies close to a real request, one field perturbed at a time: where the bugs live.
-REQUEST_FIELDS = ("keys", "model", "split", "weights", "transform", "dtype", "epoch", "job_id")
-TRANSFORM_FIELDS = ("crop_size", "resize_size", "mean", "std", "augment", "seed")
-
-
-@st.composite
-def near_requests(draw) -> dict:
-    body = {"keys": ["a.jpg"], "model": "resnet18", "split": 4,
-            "transform": {"crop_size": 32, "resize_size": 40}}
-    for _ in range(draw(st.integers(1, 3))):
-        if draw(st.booleans()):
-            body[draw(st.sampled_from(REQUEST_FIELDS) | st.text(max_size=4))] = draw(json_values)
-        else:
-            transform = body["transform"] if isinstance(body["transform"], dict) else {}
-            transform[draw(st.sampled_from(TRANSFORM_FIELDS))] = draw(json_values)
-            body["transform"] = transform
-    return body
-
-
-def _encode(body: object) -> bytes:
-    return json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
-
-
 @FAST
-@given(st.binary(max_size=200) | near_requests().map(_encode) | json_values.map(_encode))
+@given(st.binary(max_size=200) | near_requests().map(encode_json) | json_values.map(encode_json))
 def test_parse_and_validate_raise_only_wire_errors(payload: bytes) -> None:
     try:
         request = ExtractRequest.from_json(parse_json(payload))
@@ -67,7 +40,7 @@ def test_parse_and_validate_raise_only_wire_errors(payload: bytes) -> None:
 @given(near_requests())
 def test_a_valid_request_round_trips(body: dict) -> None:
     try:
-        request = ExtractRequest.from_json(parse_json(_encode(body)))
+        request = ExtractRequest.from_json(parse_json(encode_json(body)))
     except WireError:
         return
     assert ExtractRequest.from_json(parse_json(json.dumps(request.to_json()).encode())) == request
@@ -78,7 +51,7 @@ def test_a_valid_request_round_trips(body: dict) -> None:
                        json_values, max_size=4))
 def test_profile_requests_are_bounded_or_refused(fields: dict) -> None:
     try:
-        request = ProfileRequest.from_json(parse_json(_encode({"model": "resnet18", **fields})))
+        request = ProfileRequest.from_json(parse_json(encode_json({"model": "resnet18", **fields})))
     except WireError:
         return
     assert 1 <= len(request.batch_sizes) <= 8 and 1 <= request.repeats <= 10
@@ -123,7 +96,7 @@ def client(tmp_path_factory: pytest.TempPathFactory):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
-@given(near_requests().map(_encode) | json_values.map(_encode) | st.binary(max_size=100))
+@given(request_payloads)
 def test_the_app_answers_fuzzed_requests_with_json_4xx(client, payload: bytes) -> None:
     for path in ("/v1/extract", "/v1/profile"):
         response = client.post(path, data=payload, content_type="application/json")

@@ -12,6 +12,7 @@ import pytest
 import requests
 
 from compute_side.daemon_process import local_daemon
+from experiments.attacks import LONG_URL, MANY_HEADERS, half_open_connections, healthz_s
 from hapi.store import FileStore
 from hapi.wire import TOKEN_ENV
 from storage_side.__main__ import parse_args
@@ -29,29 +30,14 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-def _healthz_s(url: str) -> float:
-    started = time.perf_counter()
-    response = requests.get(url + "/healthz", timeout=5)
-    assert response.status_code == 200 and response.json() == {"status": "ok"}
-    return time.perf_counter() - started
-
-
 @pytest.mark.parametrize("clients", [40, 200])
 def test_half_open_connections_do_not_starve_healthz(daemon: str, clients: int) -> None:
     port = int(daemon.rsplit(":", 1)[1])
-    stalled = []
-    try:
-        for _ in range(clients):
-            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-            sock.sendall(b"POST /v1/extract HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")  # never finished
-            stalled.append(sock)
+    with half_open_connections(port, clients):
         time.sleep(0.2)
-        latencies = [_healthz_s(daemon) for _ in range(5)]
+        latencies = [healthz_s(daemon) for _ in range(5)]
         print(f"{clients} half-open connections: /healthz in {max(latencies) * 1e3:.0f} ms at worst")
         assert max(latencies) < 1.0
-    finally:
-        for sock in stalled:
-            sock.close()
 
 
 def test_a_slow_body_holds_no_thread(daemon: str) -> None:
@@ -59,12 +45,12 @@ def test_a_slow_body_holds_no_thread(daemon: str) -> None:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"POST /v1/extract HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n{")
-        assert _healthz_s(daemon) < 1.0
+        assert healthz_s(daemon) < 1.0
 
 
 @pytest.mark.parametrize("path, headers, status", [
-    ("/" + "a" * 100_000, {}, 431),
-    ("/healthz", {f"X-{i}": "v" * 100 for i in range(1000)}, 431),
+    (*LONG_URL, 431),
+    (*MANY_HEADERS, 431),
     ("/healthz", {f"X-{i}": "v" for i in range(500)}, 200),
 ])
 def test_protocol_errors_are_json(daemon: str, path: str, headers: dict, status: int) -> None:
