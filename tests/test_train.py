@@ -146,6 +146,8 @@ def test_auto_split_starts_at_once_explains_and_trains(cache_dir, capsys) -> Non
     assert "the safest while the link is unmeasured" in planner_line
     table = [line for line in out.splitlines() if line.startswith(("split ", "all-in-compute "))]
     assert len(table) == 1 + 2 * 12  # all-in-compute, splits 0..11 in two dtypes
-    assert sum("<- current" in line for line in table) == 1
+    # A plan is one candidate, or two sharing the batches: each of its parts is marked.
+    plan_line = next(line for line in out.splitlines() if line.startswith("plan: "))
+    assert sum("<- current" in line for line in table) == 1 + plan_line.count(" + ")
     assert "trained 40 samples" in out
     assert list((cache_dir / "profiles").glob("*/resnet18-64.json"))  # this host's stage times, saved
