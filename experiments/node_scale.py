@@ -254,10 +254,18 @@ def table(setup: Setup, cores: int, clients: Sequence[int], dtypes: Sequence[str
         print(f"| {name} | " + " | ".join(_cell(r, bare_rate) for r in rates_) + f" | {bare_text} |")
 
 
-def scaling(setup: Setup, cores: Sequence[int], clients: int, rounds: int) -> None:
-    """The daemon at each of ``cores``, all started at once and measured in turn, ``rounds`` times:
-    the machine's speed drifts within minutes, so each ratio pairs windows taken side by side."""
-    rates: dict[tuple[int, int], list[float]] = {}
+def scaling(setup: Setup, cores: Sequence[int], clients: int, rounds: int, blobs: list[bytes]) -> None:
+    """The daemon at each of ``cores``, all started at once and measured in turn, ``rounds`` times,
+    each round also timing the bare work on the same cores (one process per core): the machine's
+    speed drifts within minutes, so each ratio pairs windows taken side by side."""
+    rates: dict[tuple[str, int, int], list[float]] = {}
+
+    def bare(c: int, split: int) -> float:
+        pinned = first_cores(c)
+        if split == 0:
+            return decode_rate(pinned, blobs, setup.spec, "preprocess", setup.seconds)
+        return prefix_passes(pinned, setup.model, setup.spec.crop_size, "float32", setup.seconds)
+
     with ExitStack() as stack:
         urls = {c: stack.enter_context(local_daemon(setup.store_url, setup.logs / f"scaling-{c}c.log",
                                                     extra_args=daemon_args(setup, c, "float32"),
@@ -265,18 +273,23 @@ def scaling(setup: Setup, cores: Sequence[int], clients: int, rounds: int) -> No
         for split in (0, setup.freeze):
             for _ in range(rounds):
                 for c in cores:
-                    rates.setdefault((c, split), []).append(drive(urls[c], setup, clients, split))
-                    print(f"  --cores {c} split {split:2d} clients {clients}: {rates[c, split][-1]:8.1f} samples/s",
-                          flush=True)
+                    for what in ("daemon", "bare"):
+                        rate = drive(urls[c], setup, clients, split) if what == "daemon" else bare(c, split)
+                        rates.setdefault((what, c, split), []).append(rate)
+                        print(f"  {what:6s} --cores {c} split {split:2d}: {rate:8.1f} samples/s", flush=True)
     low, high = cores[0], cores[-1]
     print(f"\n{setup.model} at {setup.spec.crop_size} px, {setup.batch}-sample requests, {clients} clients, "
-          f"float32; samples/s, the median of {rounds} windows of {setup.seconds:g} s each\n")
-    print("| work | " + " | ".join(f"--cores {c}" for c in cores) + f" | --cores {high} / --cores {low} |")
-    print("|---|" + "---|" * len(cores) + "---|")
+          f"float32; samples/s, the median of {rounds} windows of {setup.seconds:g} s each; bare: the same work "
+          "in one process per core, no daemon\n")
+    print("| work | " + " | ".join(f"--cores {c}" for c in cores) + f" | --cores {high} / --cores {low} | "
+          + " | ".join(f"bare, {c} cores" for c in cores) + f" | bare {high} / {low} |")
+    print("|---|" + "---|" * (2 * len(cores) + 2))
     for split, name in ((0, "split 0 (fetch + decode + crop)"), (setup.freeze, f"freeze index ({setup.freeze})")):
-        medians = {c: statistics.median(rates[c, split]) for c in cores}
-        print(f"| {name} | " + " | ".join(f"{medians[c]:.1f}" for c in cores)
-              + f" | {medians[high] / medians[low]:.2f}x |")
+        med = {(w, c): statistics.median(rates[w, c, split]) for w in ("daemon", "bare") for c in cores}
+        print(f"| {name} | " + " | ".join(f"{med['daemon', c]:.1f}" for c in cores)
+              + f" | {med['daemon', high] / med['daemon', low]:.2f}x | "
+              + " | ".join(f"{med['bare', c]:.1f}" for c in cores)
+              + f" | {med['bare', high] / med['bare', low]:.2f}x |")
 
 
 def _ints(text: str) -> list[int]:
@@ -311,10 +324,11 @@ def main(argv: list[str] | None = None) -> int:
                       Path(tmp) / "logs", tuple(a.daemon_arg))
         print(f"{len(keys)} synthetic JPEGs of {statistics.mean(len(store.get(k)) for k in keys) / 1e3:.0f} KB "
               f"on average; this process may use cores {sorted(os.sched_getaffinity(0))}", flush=True)
+        blobs = [store.get(k) for k in keys]
         if a.scaling:
-            scaling(setup, a.scaling, a.scaling_clients, a.rounds)
+            scaling(setup, a.scaling, a.scaling_clients, a.rounds, blobs)
         if not a.skip_table:
-            table(setup, a.cores, a.clients, a.dtypes.split(","), [store.get(k) for k in keys])
+            table(setup, a.cores, a.clients, a.dtypes.split(","), blobs)
     return 0
 
 

@@ -54,9 +54,10 @@ class DaemonConfig:
            "node; every count below that defaults to the cores follows it. 0: all of them")
     decode_workers: int | None = _option(
         None, "processes that decode and transform images (one core each, off the daemon's GIL; each holds "
-              "~100 MB of its own, counted in the memory budget); 0 decodes on one thread per core of the "
-              "daemon's own process instead. Default: one process per core from 4 cores up; threads below, "
-              "where the GIL is not yet what limits decoding and the memory is better left to requests")
+              "~350 MB of its own, its interpreter and torch, counted in the memory budget); 0 decodes on one "
+              "thread per core of the daemon's own process instead. Default: one process per core from 4 cores "
+              "up; threads below, where the GIL is not yet what limits decoding and the memory is better left to "
+              "requests")
     torch_threads: int = _option(
         0, "intra-op threads of each forward pass; 0: the cores divided among the passes running at once, "
            "read at each sub-batch (all of them for a request alone, one each when every compute slot is busy)")
