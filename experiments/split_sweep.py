@@ -133,6 +133,7 @@ class AutoRun:
     """What a ``hapi.train --split auto`` run settled on, and how its planner priced the candidates."""
 
     settled: PlanKey  # the plan it settled on: (split, dtype) and share of each of its candidates
+    settled_label: str  # as the planner writes it (its --explain and switch lines)
     seconds: float  # the whole command's wall time
     switches: int  # switch records in its metrics.jsonl (explorations included)
     predicted: dict[str, dict]  # candidate label -> its --explain line, parsed
@@ -160,7 +161,8 @@ def run_auto(storage: StorageHost, name: str, image_size: int, batch_size: int, 
     else:
         first = next(r for r in records if "step" in r)
         settled = single(int(first["split"]), first["dtype"])
-    return AutoRun(settled, seconds, sum("switch" in r for r in records), parse_explain(done.stdout))
+    label = moves[-1]["plan"] if moves else label_of(settled)
+    return AutoRun(settled, label, seconds, sum("switch" in r for r in records), parse_explain(done.stdout))
 
 
 def parse_explain(text: str) -> dict[str, dict]:
@@ -221,7 +223,7 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
         return window_ms(source, step, samples, batch_size, REQUEST_SIZE, args.depth, args.warmup, timed, give_up_ms)
 
     def predicted(key: PlanKey) -> dict:
-        return auto.predicted.get(label_of(key), {})
+        return auto.predicted.get(auto.settled_label if key == chosen else label_of(key), {})
 
     rows: dict[PlanKey, dict] = {}
     best_ms = float("inf")  # per iteration
