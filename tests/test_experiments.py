@@ -56,7 +56,10 @@ def test_split_sweep_runs_on_two_emulated_hosts_and_feeds_the_report(tmp_path) -
     assert len(rows) == 1 + 12 + (" + " in chosen[0]["candidate"])
     assert all(float(r["measured_ms"]) > 0 for r in rows)
     # The run's --explain table prices every candidate; the run itself took seconds.
-    assert all(float(r["predicted_ms"]) > 0 and float(r["run_s"]) > 0 for r in rows)
+    # (A plan that shares batches is priced in the run's --explain table only while the run
+    # still holds it at the end; the candidates alone always are.)
+    assert all(float(r["predicted_ms"]) > 0 for r in rows if " + " not in r["candidate"])
+    assert all(float(r["run_s"]) > 0 for r in rows)
     _run("experiments.report", "--results", str(results), "--output", str(tmp_path / "REPORT.md"))
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Headline" in report and "| resnet18 |" in report and "## Where HAPI loses" in report
