@@ -608,11 +608,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     settings = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("urllib3").setLevel(logging.ERROR)
-    reason = twohosts.available()
-    if reason:
-        print(f"cannot emulate two hosts here: {reason}", file=sys.stderr)
+    if not twohosts.start_cli():
         return 2
     started = time.perf_counter()
     runs, verdicts = benchmark(settings)

@@ -426,11 +426,7 @@ def main() -> int:
         args.window_s, args.max_rounds, args.confirm = 1.0, 2, 2
         args.image_size = args.image_size or 64
     args.warmup = args.depth if args.warmup is None else args.warmup
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    logging.getLogger("urllib3").setLevel(logging.ERROR)
-    reason = twohosts.available()
-    if reason:
-        print(f"cannot emulate two hosts here: {reason}", file=sys.stderr)
+    if not twohosts.start_cli():
         return 2
     torch.set_num_threads(1)  # one core per host
     rows: list[dict] = []

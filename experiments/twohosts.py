@@ -51,6 +51,17 @@ def available() -> str | None:
     return None
 
 
+def start_cli() -> bool:
+    """An experiment's start: timestamped logging, urllib3's retries quiet, and whether two
+    hosts can be emulated here (if not, says why on stderr)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("urllib3").setLevel(logging.ERROR)
+    reason = available()
+    if reason:
+        print(f"cannot emulate two hosts here: {reason}", file=sys.stderr)
+    return reason is None
+
+
 def _run(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, text=True)
 
