@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from hapi.measure import HostProfile
-from hapi.wire import WIRE_DTYPES
+from hapi.wire import WIRE_DTYPES, wire_dtype_allowed
 
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
 FLOAT32_BYTES = 4
@@ -138,8 +138,10 @@ def compute_memory(profile: HostProfile, freeze: int, split: int, batch_size: in
 
 def candidates(profile: HostProfile, freeze: int, conditions: Conditions, batch_size: int,
                dtypes: Iterable[str] = ("float32",), compute_memory_budget: float = math.inf) -> list[Candidate]:
-    """All-in-compute, and every split up to the freeze index in every allowed wire dtype."""
-    keys = [(ALL_IN_COMPUTE, "float32")] + [(s, d) for s in range(freeze + 1) for d in dtypes]
+    """All-in-compute, and every split up to the freeze index in every allowed wire dtype
+    that split can ship (uint8 images at split 0 only)."""
+    keys = [(ALL_IN_COMPUTE, "float32")] + [(s, d) for s in range(freeze + 1) for d in dtypes
+                                            if wire_dtype_allowed(d, s)]
     return [price(profile, freeze, conditions, s, d, batch_size, compute_memory_budget) for s, d in keys]
 
 

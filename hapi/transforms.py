@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from struct import error as struct_error
 
 import numpy as np
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_image
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from torchvision.transforms.v2 import functional as F
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -210,9 +211,9 @@ def _first_frame(data: bytes, key: str) -> torch.Tensor:
     return torch.from_numpy(np.asarray(rgb).copy()).permute(2, 0, 1)
 
 
-def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0,
-               max_pixels: int | None = None) -> torch.Tensor:
-    """Decode ``data`` and return a normalised float32 (3, crop, crop) tensor.
+def decode_crop(data: bytes, key: str, spec: TransformSpec, epoch: int = 0,
+                max_pixels: int | None = None) -> torch.Tensor:
+    """Decode ``data`` and return its (3, crop, crop) uint8 crop, before normalisation.
 
     The header is read first: an unaccepted format is refused, and with ``max_pixels`` an
     image whose decode or resize would hold more pixels, before a byte of it is decoded.
@@ -233,7 +234,13 @@ def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0,
     if image.ndim == 4:  # frames PIL did not count as an animation (giflib counts differently): the first
         image = image[0]
     # 16-bit PNGs decode to uint16; everything below works on 8-bit levels.
-    image = F.to_dtype(image, torch.uint8, scale=True)
+    return crop(F.to_dtype(image, torch.uint8, scale=True), key, spec, epoch)
+
+
+def crop(image: torch.Tensor, key: str, spec: TransformSpec, epoch: int = 0) -> torch.Tensor:
+    """The (3, crop, crop) uint8 crop of a decoded (3, H, W) uint8 image, on the image's device:
+    a centre crop of the resized image, or (``spec.augment``) a random resized crop and flip
+    drawn from the sample's own generator, whichever device decoded it."""
     if spec.augment:
         g = sample_generator(spec.seed, epoch, key)
         top, left, h, w = _random_crop_box(image.shape[1], image.shape[2], g)
@@ -243,4 +250,51 @@ def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0,
     else:
         image = F.resize(image, [spec.resize_size], antialias=True)
         image = F.center_crop(image, [spec.crop_size])
-    return F.normalize(F.to_dtype(image, torch.float32, scale=True), list(spec.mean), list(spec.std))
+    return image
+
+
+def decode_crops(blobs: Sequence[bytes], keys: Sequence[str], spec: TransformSpec, epoch: int,
+                 device: torch.device) -> torch.Tensor:
+    """The (N, 3, crop, crop) uint8 crops of ``blobs`` on CUDA ``device``.
+
+    The JPEGs are decoded there all together by nvJPEG, then resized and cropped there by
+    ``crop``, with the same boxes and flips as on the CPU; other formats, and any batch
+    nvJPEG refuses (where ``decode_crop`` then names the corrupt image by its key), are
+    decoded on the CPU and copied. nvJPEG's IDCT and chroma upsampling are not
+    libjpeg-turbo's, and a GPU resize rounds on its own: a pixel may be a few levels off
+    the CPU's crop of the same bytes, the mean difference well under one level.
+    """
+    headers = [read_header(blob, key) for blob, key in zip(blobs, keys, strict=True)]
+    out = torch.empty((len(blobs), 3, spec.crop_size, spec.crop_size), dtype=torch.uint8, device=device)
+    jpegs = [i for i, header in enumerate(headers) if header.format == "JPEG" and not header.animated]
+    decoded: list[torch.Tensor] = []
+    if jpegs:
+        try:
+            decoded = decode_jpeg([torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8) for i in jpegs],
+                                  mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:
+            jpegs = []
+    for i, image in zip(jpegs, decoded, strict=True):
+        out[i] = crop(image, keys[i], spec, epoch)
+    on_device = set(jpegs)
+    for i, (blob, key) in enumerate(zip(blobs, keys, strict=True)):
+        if i not in on_device:
+            out[i] = decode_crop(blob, key, spec, epoch).to(device)
+    return out
+
+
+def normalize(images: torch.Tensor, spec: TransformSpec, device: torch.device | str | None = None) -> torch.Tensor:
+    """uint8 crops, (3, H, W) or (N, 3, H, W), as the model's float32 input on ``device``
+    (None: where they are). They move as uint8, a quarter of the float32 bytes, and are
+    converted there; on the CPU the result is bit for bit what ``preprocess`` returns."""
+    if images.dtype != torch.uint8:
+        raise ValueError(f"normalize takes uint8 images, got {images.dtype}")
+    if device is not None:
+        images = images.to(device, non_blocking=True)
+    return F.normalize(F.to_dtype(images, torch.float32, scale=True), list(spec.mean), list(spec.std))
+
+
+def preprocess(data: bytes, key: str, spec: TransformSpec, epoch: int = 0,
+               max_pixels: int | None = None) -> torch.Tensor:
+    """Decode ``data`` and return a normalised float32 (3, crop, crop) tensor (see ``decode_crop``)."""
+    return normalize(decode_crop(data, key, spec, epoch, max_pixels), spec)

@@ -21,8 +21,17 @@ from hapi.transforms import TransformSpec
 FEATURES_CONTENT_TYPE = "application/vnd.safetensors"
 # The shared bearer token between the tiers, when a deployment sets one.
 TOKEN_ENV = "HAPI_STORAGE_TOKEN"
-WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+WIRE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "uint8": torch.uint8}
+# Wire dtypes that carry the decoded, cropped image itself (0..255, not normalised; the
+# receiving tier normalises it): only stage 0's input is an image, so only split 0 has them.
+IMAGE_WIRE_DTYPES = ("uint8",)
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "U8": torch.uint8}
+
+
+def wire_dtype_allowed(dtype: str, split: int) -> bool:
+    """Whether features cut at ``split`` may cross the wire in ``dtype``."""
+    return dtype in WIRE_DTYPES and (split == 0 or dtype not in IMAGE_WIRE_DTYPES)
 
 
 # The schema nests three deep (request -> transform -> mean); anything deeper is not a request.
@@ -146,6 +155,9 @@ class ExtractRequest:
             raise WireError("'keys' holds duplicates")
         if body.get("dtype", "float32") not in WIRE_DTYPES:
             raise WireError(f"dtype {shorten(body['dtype'])} not one of {sorted(WIRE_DTYPES)}")
+        if not wire_dtype_allowed(body.get("dtype", "float32"), body["split"]):
+            raise WireError(f"dtype {body['dtype']} carries images, which only split 0 ships; split "
+                            f"{body['split']} needs one of {sorted(set(WIRE_DTYPES) - set(IMAGE_WIRE_DTYPES))}")
         try:
             transform = TransformSpec.from_dict(body.get("transform", {}))
         except (TypeError, ValueError) as exc:

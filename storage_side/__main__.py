@@ -20,7 +20,7 @@ from flask import Flask
 
 from hapi.wire import TOKEN_ENV
 from storage_side.app import create_app
-from storage_side.config import DaemonConfig, option_help, parse_size
+from storage_side.config import DaemonConfig, option_help, parse_size, resolve_device
 from storage_side.memory import return_freed_memory_promptly
 from storage_side.parallel import pin_cores
 
@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
     add("--decode-workers", "decode_workers", type=int, default=d.decode_workers)
     add("--torch-threads", "torch_threads", type=int, default=d.torch_threads)
     add("--compute-dtype", "compute_dtype", choices=("float32", "bfloat16"), default=d.compute_dtype)
+    add("--device", "device", default=d.device)
     add("--memory-budget", "memory_budget", type=_size, default=d.memory_budget)
+    add("--gpu-memory-budget", "gpu_memory_budget", type=_size, default=d.gpu_memory_budget)
     add("--memory-headroom", "memory_headroom", type=float, default=d.memory_headroom)
     add("--max-sub-batch", "max_sub_batch", type=int, default=d.max_sub_batch)
     add("--min-sub-batch", "min_sub_batch", type=int, default=d.min_sub_batch)
@@ -73,6 +75,10 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
     p.add_argument("--token-file", type=Path,
                    help=f"a file holding the bearer token (else ${TOKEN_ENV}). " + option_help("token"))
     a = vars(p.parse_args(argv))
+    try:
+        resolve_device(a["device"])  # checked now: a host without the GPU asked for is a usage error
+    except ValueError as exc:
+        p.error(str(exc))
     for path in a["weights_files"]:
         if not path.is_file():
             p.error(f"--weights-file {path}: no such file")

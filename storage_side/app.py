@@ -25,7 +25,7 @@ from storage_side.admission import Admission
 from storage_side.config import DaemonConfig
 from storage_side.errors import RequestError
 from storage_side.executor import Extractor, RequestStats
-from storage_side.memory import default_memory_budget, process_rss_bytes
+from storage_side.memory import default_memory_budget, device_peak_bytes, process_rss_bytes
 from storage_side.metrics import Metrics
 from storage_side.parallel import ComputeTurns, Decoder, make_decoder
 from storage_side.prefix_cache import PrefixCache
@@ -67,18 +67,36 @@ def memory_capacity(config: DaemonConfig, workers_bytes: int = 0) -> tuple[int, 
     return budget, baseline, capacity
 
 
-def parallel_capacity(config: DaemonConfig, decoder: Decoder, turns: ComputeTurns) -> dict[str, object]:
-    """What this node can run at once, for planners: its cores, forward passes and decoders.
-    ``threads_per_pass`` None: the cores are shared among the passes running at once."""
+def gpu_memory_capacity(config: DaemonConfig, device: torch.device) -> tuple[int, int]:
+    """(budget, capacity) of GPU memory: what reservations may take is the budget less the
+    headroom and what this process holds on the device already."""
+    budget = config.gpu_memory_budget or torch.cuda.mem_get_info(device)[0]
+    capacity = int(budget * (1 - config.memory_headroom)) - torch.cuda.memory_allocated(device)
+    if capacity <= 0:
+        raise ValueError(f"GPU memory budget {budget} bytes leaves nothing to reserve on {device} "
+                         "(raise --gpu-memory-budget, or free the device)")
+    return budget, capacity
+
+
+def parallel_capacity(config: DaemonConfig, decoder: Decoder, turns: ComputeTurns,
+                      device: torch.device) -> dict[str, object]:
+    """What this node can run at once, for planners: its cores, forward passes and decoders,
+    and the device its prefix runs on. ``threads_per_pass`` None: the cores are shared among
+    the passes running at once."""
     return {"cores": config.core_count(), "compute_slots": turns.slots or config.core_count(),
             "threads_per_pass": config.torch_threads or None,
-            "decode_workers": decoder.workers, "decode_in": decoder.kind}
+            "decode_workers": decoder.workers, "decode_in": decoder.kind, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
 
 
 def create_app(config: DaemonConfig) -> Flask:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     compute_dtype = getattr(torch, config.compute_dtype)
+    device = config.torch_device()
+    if device.type == "cuda":
+        # The CUDA context takes host memory too: made now, it is in the idle daemon's baseline.
+        torch.zeros(1, device=device)
     app = Flask("storage_side")
     app.config["MAX_CONTENT_LENGTH"] = config.max_request_bytes
     store = open_store(config.store_url, config.endpoint_url)
@@ -92,18 +110,39 @@ def create_app(config: DaemonConfig) -> Flask:
         raise
     admission = (Admission(capacity, config.max_queue, config.queue_timeout_s, config.running_limit())
                  if config.adapt else None)
-    cache = PrefixCache(admission, config.weights_files, compute_dtype)
+    gpu_budget = device_admission = None
+    if device.type == "cuda":
+        try:
+            gpu_budget, gpu_capacity = gpu_memory_capacity(config, device)
+        except ValueError:
+            decoder.close()
+            raise
+        if config.adapt:
+            # Turns are the host admission's to give: this one only sizes and queues GPU memory.
+            device_admission = Admission(gpu_capacity, config.max_queue, config.queue_timeout_s)
+        log.info("GPU memory budget %.0f MB on %s (%s), %.0f MB for models and requests", gpu_budget / 1e6,
+                 device, torch.cuda.get_device_name(device), gpu_capacity / 1e6)
+    cache = PrefixCache(admission, config.weights_files, compute_dtype, device, device_admission)
     turns = ComputeTurns(config.compute_slots() if config.adapt else None, config.core_count(), config.torch_threads)
     extractor = Extractor(store, cache, admission, config.io_threads, decoder, turns, config.min_sub_batch,
                           config.max_sub_batch, compute_dtype, config.max_image_pixels, config.max_object_bytes,
-                          config.dataset_prefixes)
-    metrics = Metrics(budget, admission, cache, decoder.private_bytes)
-    capacity_now = parallel_capacity(config, decoder, turns)
+                          config.dataset_prefixes, device, device_admission)
+    metrics = Metrics(budget, admission, cache, decoder.private_bytes, device, gpu_budget, device_admission)
+    capacity_now = parallel_capacity(config, decoder, turns, device)
     app.extensions["hapi"] = {"admission": admission, "cache": cache, "extractor": extractor, "metrics": metrics,
                               "decoder": decoder}
     log.info("memory budget %.0f MB: %.0f MB idle daemon, %.0f MB for models and requests (%s)",
              budget / 1e6, baseline / 1e6, capacity / 1e6, "adaptive" if admission else "NOT ADAPTIVE")
     log.info("parallel capacity", extra={"fields": capacity_now})
+
+    def gpu_memory_now() -> dict[str, int | None]:
+        """The GPU memory the prefix may use and has used, for /v1/models; nothing on the CPU."""
+        if device.type != "cuda":
+            return {}
+        return {"gpu_memory_budget": gpu_budget,
+                "gpu_memory_capacity": device_admission.capacity if device_admission else None,
+                "gpu_memory_reserved_peak": device_admission.peak_reserved if device_admission else None,
+                "gpu_memory_peak_allocated": device_peak_bytes(device)}
 
     @app.before_request
     def authenticate():
@@ -139,8 +178,9 @@ def create_app(config: DaemonConfig) -> Flask:
             models=[{"name": s.name, "freeze_index": s.freeze_index, "input_size": s.input_size}
                     for s in MODELS.values()],
             loaded=[entry.describe() for entry in cache.loaded()],
-            node=capacity_now,
+            node={**capacity_now, **gpu_memory_now()},
         )
+
 
     @app.post("/v1/extract")
     def extract():
@@ -182,20 +222,23 @@ def create_app(config: DaemonConfig) -> Flask:
                           f"+ a warm-up) are {passes} sample passes; this node runs at most {limit}", limit=limit)
         with cache.lease(req.model, req.weights, req.input_size, req.job_id) as prefix:
             need = prefix.memory.forward_bytes(len(prefix.stages), max(req.batch_sizes))
-            if admission is not None and need > admission.capacity:
+            # The passes run where the prefix does: their memory is the GPU's there.
+            gate = device_admission if device.type == "cuda" else admission
+            if gate is not None and need > gate.capacity:
                 raise RequestError(413, "exceeds_memory", f"batch {max(req.batch_sizes)} needs {need} bytes; this "
-                                   f"node reserves at most {admission.capacity}")
-            reservation = admission.admit(req.job_id, need, need) if admission is not None else None
+                                   f"node reserves at most {gate.capacity}")
+            reservation = gate.admit(req.job_id, need, need) if gate is not None else None
             try:
                 # A compute turn like an extract request's: profiling shares the cores, it does not add to them.
                 with extractor.compute_turns as slot:
                     slot.take_share()
-                    stages = profile_stages(prefix, req.batch_sizes, req.repeats, compute_dtype)
+                    stages = profile_stages(prefix, req.batch_sizes, req.repeats, compute_dtype, device)
             finally:
                 if reservation is not None:
                     reservation.release()
             return jsonify(model=req.model, weights=req.weights, input_size=req.input_size,
-                           batch_sizes=list(req.batch_sizes), compute_dtype=config.compute_dtype,
+                           batch_sizes=list(req.batch_sizes), device=str(device),
+                           compute_dtype="bfloat16" if device.type == "cuda" else config.compute_dtype,
                            torch_threads=torch.get_num_threads(), cpu_count=config.core_count(),
                            memory=prefix.memory.to_json(), stages=stages)
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # From this many cores up, decoding runs in worker processes by default (see decode_workers).
 PROCESS_DECODE_FROM_CORES = 4
@@ -63,7 +65,16 @@ class DaemonConfig:
            "read at each sub-batch (all of them for a request alone, one each when every compute slot is busy)")
     compute_dtype: str = _option(
         "float32", "float32, or bfloat16: run the prefix under CPU autocast (faster on CPUs with bf16 "
-                   "units; features deviate by ~1e-2 relative to float32, see the README)")
+                   "units; features deviate by ~1e-2 relative to float32, see the README). On --device cuda "
+                   "the prefix always runs under bf16 autocast, as the compute tier's trainer does")
+    device: str = _option(
+        "cpu", "where the prefix runs: cpu, cuda, cuda:N, or auto (CUDA when this host has it, else the CPU). "
+               "On CUDA it runs under bf16 autocast in channels_last, its weights and activations stay there, "
+               "and --gpu-memory-budget bounds them; decoding stays on the CPUs")
+    gpu_memory_budget: int | None = _option(
+        None, "bytes of GPU memory (e.g. 40GiB) the prefix may use on --device cuda: loaded weights, "
+              "sub-batches and their activations, measured per stage when a model loads; sub-batches "
+              "shrink and requests queue to stay within it. Default: what is free on the device at start")
     memory_budget: int | None = _option(
         None, "bytes (e.g. 6GiB, 800M) this daemon's process may use in all, models and requests "
               "included; default: half of the machine's memory or of its cgroup's limit, whichever is lower")
@@ -130,6 +141,10 @@ class DaemonConfig:
         if self.cores < 0 or self.torch_threads < 0 or (self.decode_workers or 0) < 0:
             raise ValueError("cores, torch_threads and decode_workers must be >= 0")
 
+    def torch_device(self) -> torch.device:
+        """The device of ``device``, resolved and checked (see ``resolve_device``)."""
+        return resolve_device(self.device)
+
     def core_count(self) -> int:
         """The cores this daemon uses: ``cores``, within those it may run on."""
         return min(self.cores or usable_cpus(), usable_cpus())
@@ -147,6 +162,27 @@ class DaemonConfig:
     def running_limit(self) -> int:
         """``max_running``, or (0: auto) one more than the compute slots."""
         return self.max_running or self.compute_slots() + 1
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA device when this host has one, else the CPU; ``cpu``,
+    ``cuda`` or ``cuda:N`` as given, with its index. A ValueError says what is wrong."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device {name!r}: expected auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this host has no CUDA device")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this host has {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
 
 
 def is_loopback(host: str) -> bool:

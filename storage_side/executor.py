@@ -11,6 +11,15 @@ the cores (``parallel.ComputeTurns``), in about the order they came: requests sh
 core would all finish late and together, leaving the link idle while they compute and
 then crowding it. A request waiting for its turn has already fetched its objects and
 started decoding them.
+
+On a CUDA device a request holds two reservations: host memory for its objects, decoded
+sub-batches and features (as on the CPU), and GPU memory for the forward pass of one
+sub-batch, from the prefix's memory model measured on the GPU; its sub-batch is the
+largest both hold. Host memory is always taken first and GPU memory never waits for host
+memory, so two requests cannot each hold what the other waits for.
+
+At split 0 with the uint8 wire dtype the decoded crops are shipped as they are, 0..255,
+a quarter of their float32 bytes; the compute tier normalises them.
 """
 
 from __future__ import annotations
@@ -27,11 +36,11 @@ from hapi.datasets import SHARD_SEPARATOR, read_samples
 from hapi.models import ModelSpec, UnknownModelError, get_spec
 from hapi.store import MissingObjectError, ObjectStore
 from hapi.transforms import check_pixels, preprocess_peak_bytes, read_header
-from hapi.wire import WIRE_DTYPES, ExtractRequest, encode_features
+from hapi.wire import IMAGE_WIRE_DTYPES, WIRE_DTYPES, ExtractRequest, encode_features
 from storage_side.admission import Admission, Reservation
 from storage_side.config import is_plain_key
 from storage_side.errors import Busy, RequestError
-from storage_side.memory import PrefixMemory, SampleSizes, Staging, autocast_context
+from storage_side.memory import CPU, PrefixMemory, SampleSizes, Staging, autocast_context
 from storage_side.parallel import ComputeTurns, Decoder, PendingBatch
 from storage_side.prefix_cache import LoadedPrefix, PrefixCache
 
@@ -48,17 +57,30 @@ class RequestCost:
     wire_itemsize: int
     staging: Staging
     decoders: int  # decodes in flight at once, over the whole daemon
+    on_device: bool = False  # the forward pass runs on a GPU: its bytes are ``device_bytes``
 
     def bytes(self, sub_batch: int) -> int:
+        """Host memory."""
         out = self.memory.output_numel[self.split] * self.wire_itemsize
         # Held for the whole request: every sample's encoded bytes (freed as decoded, but
         # reserved throughout), its features, and their encoded copy for the response.
         resident = self.samples * (self.staging.raw_per_sample + 2 * out)
-        # Held per sub-batch: the forward pass, the next sub-batch being decoded, and
-        # the full-size images being decoded for it (on threads or in worker processes).
-        transient = (self.memory.forward_bytes(self.split, sub_batch) + sub_batch * self.memory.input_bytes
+        # Held per sub-batch: the forward pass (on a GPU: the decoded sub-batch until it is
+        # copied there), the next sub-batch being decoded, and the full-size images being
+        # decoded for it (on threads or in worker processes).
+        forward = (sub_batch * self.memory.input_bytes if self.on_device
+                   else self.memory.forward_bytes(self.split, sub_batch))
+        transient = (forward + sub_batch * self.memory.input_bytes
                      + min(sub_batch, self.decoders) * self.staging.decode_peak)
         return resident + transient
+
+    def device_bytes(self, sub_batch: int) -> int:
+        """GPU memory: one sub-batch's forward pass, its input included (0 on the CPU)."""
+        return self.memory.forward_bytes(self.split, sub_batch) if self.on_device else 0
+
+    def largest_device_sub_batch(self, nbytes: int, limit: int) -> int:
+        """The largest sub-batch <= ``limit`` whose forward pass fits ``nbytes`` of GPU memory."""
+        return max((k for k in range(1, limit + 1) if self.device_bytes(k) <= nbytes), default=0)
 
     def max_samples(self, nbytes: int) -> int:
         """The most samples a request can have and still fit ``nbytes`` one sample at a time."""
@@ -131,8 +153,11 @@ class Extractor:
                  io_threads: int, decoder: Decoder, compute_turns: ComputeTurns, min_sub_batch: int,
                  max_sub_batch: int, compute_dtype: torch.dtype = torch.float32,
                  max_image_pixels: int = 1 << 26, max_object_bytes: int = 256 << 20,
-                 dataset_prefixes: tuple[str, ...] = ()) -> None:
+                 dataset_prefixes: tuple[str, ...] = (), device: torch.device = CPU,
+                 device_admission: Admission | None = None) -> None:
         self.store = store
+        self.device = device
+        self.device_admission = device_admission  # GPU memory, on a CUDA device with adaptation
         self.max_image_pixels = max_image_pixels
         self.max_object_bytes = max_object_bytes
         self.dataset_prefixes = tuple(p.rstrip("/") + "/" for p in dataset_prefixes)
@@ -183,16 +208,26 @@ class Extractor:
                               request.job_id) as prefix:
             timings["load_ms"] = _ms_since(started)
             cost = RequestCost(prefix.memory, request.split, len(request.keys), WIRE_DTYPES[request.dtype].itemsize,
-                               self.sample_sizes.estimate(), self.decoder.workers)
+                               self.sample_sizes.estimate(), self.decoder.workers,
+                               on_device=self.device.type == "cuda" and request.split > 0)
             started = time.perf_counter()
             reservation = self._admit(request, cost)
-            timings["queue_ms"] = _ms_since(started)
             try:
-                blob = self._run(request, prefix, cost, reservation, stats)
+                on_device = self._admit_device(request, cost)
             except BaseException:
                 if reservation is not None:
                     reservation.release()
                 raise
+            timings["queue_ms"] = _ms_since(started)
+            try:
+                blob = self._run(request, prefix, cost, reservation, on_device, stats)
+            except BaseException:
+                if reservation is not None:
+                    reservation.release()
+                raise
+            finally:
+                if on_device is not None:
+                    on_device.release()
         if reservation is not None:
             # Until the response is sent, only the blob stays; the work is done, so the
             # request's turn passes on now, whenever the reply finishes going out.
@@ -221,8 +256,24 @@ class Extractor:
         want = max(need, cost.bytes(min(self.max_sub_batch, cost.samples)))
         return self.admission.admit(request.job_id, need, want)
 
+    def _admit_device(self, request: ExtractRequest, cost: RequestCost) -> Reservation | None:
+        """GPU memory for the forward pass: after host memory, so it never waits holding GPU memory."""
+        if self.device_admission is None or not cost.on_device:
+            return None
+        most = self.device_admission.capacity - cost.memory.weights_bytes
+        if cost.device_bytes(1) > most:
+            raise RequestError(413, "exceeds_gpu_memory",
+                               f"one sample of {request.model} at split {request.split} needs {cost.device_bytes(1)} "
+                               f"bytes of GPU memory; this node has at most {most} for a request (raise "
+                               "--gpu-memory-budget)")
+        need = cost.device_bytes(min(self.min_sub_batch, self.max_sub_batch, cost.samples))
+        if need > most:
+            need = cost.device_bytes(1)
+        want = max(need, cost.device_bytes(min(self.max_sub_batch, cost.samples)))
+        return self.device_admission.admit(request.job_id, need, want)
+
     def _run(self, request: ExtractRequest, prefix: LoadedPrefix, cost: RequestCost, reservation: Reservation | None,
-             stats: RequestStats) -> bytes:
+             on_device: Reservation | None, stats: RequestStats) -> bytes:
         timings = stats.timings
         started = time.perf_counter()
         shards = {k.split(SHARD_SEPARATOR, 1)[0] for k in request.keys if SHARD_SEPARATOR in k}
@@ -243,6 +294,9 @@ class Extractor:
             peaks.append(preprocess_peak_bytes(header, request.transform))
         cost = replace(cost, staging=Staging.measure(map(len, blobs), peaks, bool(shards)))
         sub_batch = self._choose_sub_batch(cost, reservation)
+        if on_device is not None:  # and the largest the GPU reservation holds
+            sub_batch = max(1, min(sub_batch, cost.largest_device_sub_batch(on_device.bytes, sub_batch)))
+            on_device.shrink(cost.device_bytes(sub_batch))
         self.sample_sizes.record(cost.staging)
         stats.sub_batch = sub_batch
         stats.reserved_bytes = reservation.bytes if reservation else 0
@@ -250,12 +304,13 @@ class Extractor:
         n = len(request.keys)
         stages = prefix.stages[: request.split]
         features: torch.Tensor | None = None
+        normalized = request.dtype not in IMAGE_WIRE_DTYPES
 
         def submit(start: int) -> PendingBatch:
             end = min(start + sub_batch, n)
             chunk, blobs[start:end] = blobs[start:end], [None] * (end - start)  # the decoder holds them now
             return self.decoder.submit(chunk, request.keys[start:end], request.transform, request.epoch,
-                                       self.max_image_pixels)
+                                       self.max_image_pixels, normalized)
 
         decode_wait = forward_s = 0.0
         pending: PendingBatch | None = submit(0)
@@ -270,7 +325,9 @@ class Extractor:
                     pending = submit(start + sub_batch) if start + sub_batch < n else None
                     ran = time.perf_counter()
                     stats.threads = self.compute_turns.take_share()
-                    with torch.inference_mode(), autocast_context(self.compute_dtype):
+                    if cost.on_device:
+                        inputs = inputs.to(self.device, memory_format=torch.channels_last)
+                    with torch.inference_mode(), autocast_context(self.compute_dtype, self.device):
                         out = stages(inputs)
                     del inputs
                     if features is None:

@@ -2,8 +2,9 @@
 
 The cost of a request is predicted by a model measured on this node, not hard-coded:
 when a prefix is first loaded, it runs at two batch sizes under torch's allocator
-profiler, and the peak bytes live during each stage give, per stage, a fixed part and a
-part per sample; a split's peak is the largest of its stages'. Linear fits hold because
+profiler (on a GPU: the CUDA caching allocator's peak counter), and the peak bytes live
+during each stage give, per stage, a fixed part and a part per sample; a split's peak is
+the largest of its stages'. Linear fits hold because
 frozen layers run in eval mode: a sample's activations do not depend on the others in
 its batch.
 """
@@ -19,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,6 +36,10 @@ CALIBRATION_BATCHES = (2, 8)
 # also sees other requests' threads, which must not count).
 _MARKER_BYTES = 123_457
 _PROFILER_LOCK = threading.Lock()  # torch's profiler runs one session at a time
+CPU = torch.device("cpu")
+# Per CUDA device, the most bytes its caching allocator has held allocated, over this
+# process's life: measuring a stage resets the device's own peak counter.
+_device_peaks: dict[int, int] = {}
 
 
 # --- the process ------------------------------------------------------------------
@@ -181,32 +187,68 @@ def peak_live_bytes(run: Callable[[], object]) -> int:
     return peak
 
 
-def autocast_context(compute_dtype: torch.dtype):
-    """CPU autocast for reduced-precision compute; nothing for float32."""
+def peak_device_bytes(run: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes the CUDA caching allocator held allocated on ``device``, beyond what it held
+    before, while ``run()`` runs. The counter is the device's, not the thread's: a pass of
+    another request at the same time counts too, so the measure errs high, never low."""
+    with _PROFILER_LOCK:
+        torch.cuda.synchronize(device)
+        _record_device_peak(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        _device_peaks[device.index] = max(_device_peaks.get(device.index, 0), peak)
+    return max(0, peak - before)
+
+
+def _record_device_peak(device: torch.device) -> None:
+    _device_peaks[device.index] = max(_device_peaks.get(device.index, 0), torch.cuda.max_memory_allocated(device))
+
+
+def device_peak_bytes(device: torch.device) -> int:
+    """The most bytes this process has held allocated on CUDA ``device`` (0 for the CPU)."""
+    if device.type != "cuda":
+        return 0
+    _record_device_peak(device)
+    return _device_peaks[device.index]
+
+
+def autocast_context(compute_dtype: torch.dtype, device: torch.device = CPU):
+    """On CUDA, bf16 autocast, as the compute tier's trainer runs; on the CPU, autocast for
+    reduced-precision compute and nothing for float32."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
     if compute_dtype == torch.float32:
         return nullcontext()
     return torch.autocast("cpu", dtype=compute_dtype)
 
 
-def calibrate(stages: nn.Sequential, input_size: int, compute_dtype: torch.dtype) -> PrefixMemory:
+def calibrate(stages: nn.Sequential, input_size: int, compute_dtype: torch.dtype,
+              device: torch.device = CPU) -> PrefixMemory:
     """Measure each stage at two batch sizes and fit peak bytes = fixed + per_sample * batch.
 
     Each stage is profiled on its own with what a forward pass holds alive around it: its
     input, and the batch's input, which the caller holds until the pass returns. The fit
-    errs high: the line is at or above the measured peak at both batch sizes.
+    errs high: the line is at or above the measured peak at both batch sizes. On a CUDA
+    ``device`` (where ``stages`` must already be) the bytes are the device's, with the input
+    in channels_last under bf16 autocast, as requests run there.
     """
     input_bytes = 3 * input_size * input_size * torch.float32.itemsize
     peaks: list[list[int]] = []
     numel = [3 * input_size * input_size]
+    cuda = device.type == "cuda"
+    layout = {"memory_format": torch.channels_last} if cuda else {}
+    measure = partial(peak_device_bytes, device=device) if cuda else peak_live_bytes
     for batch in CALIBRATION_BATCHES:
-        x = inputs = torch.randn(batch, 3, input_size, input_size)
+        x = inputs = torch.randn(batch, 3, input_size, input_size).to(device, **layout)
         stage_peaks = []
-        with torch.inference_mode(), autocast_context(compute_dtype):
+        with torch.inference_mode(), autocast_context(compute_dtype, device):
             for stage in stages:
                 held = x.numel() * x.element_size() + (batch * input_bytes if x is not inputs else 0)
                 result: list[torch.Tensor] = []
-                stage_peaks.append(held + peak_live_bytes(
-                    lambda stage=stage, x=x, result=result: result.append(stage(x))))
+                stage_peaks.append(held + measure(lambda stage=stage, x=x, result=result: result.append(stage(x))))
                 x = result[0]
                 if batch == CALIBRATION_BATCHES[0]:
                     numel.append(x[0].numel())

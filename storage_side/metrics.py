@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from storage_side.admission import Admission
-from storage_side.memory import peak_rss_bytes, process_rss_bytes
+from storage_side.memory import CPU, device_peak_bytes, peak_rss_bytes, process_rss_bytes
 from storage_side.prefix_cache import PrefixCache
 
 SUB_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -20,7 +21,8 @@ STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 
 class Metrics:
     def __init__(self, budget: int, admission: Admission | None, cache: PrefixCache,
-                 workers_bytes: Callable[[], int] = lambda: 0) -> None:
+                 workers_bytes: Callable[[], int] = lambda: 0, device: torch.device = CPU,
+                 gpu_budget: int | None = None, device_admission: Admission | None = None) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("hapi_storage_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=registry)
@@ -57,3 +59,17 @@ class Metrics:
                   registry=registry).set_function(lambda: admission.peak_reserved)
             Gauge("hapi_storage_queue_depth", "Requests waiting for memory", registry=registry).set_function(
                 lambda: admission.queue_depth)
+        if device.type == "cuda":
+            Gauge("hapi_storage_gpu_memory_budget_bytes", "The GPU memory budget of the prefix on its device",
+                  registry=registry).set(gpu_budget)
+            Gauge("hapi_storage_gpu_memory_allocated_bytes", "Bytes this process holds allocated on the GPU now",
+                  registry=registry).set_function(lambda: torch.cuda.memory_allocated(device))
+            Gauge("hapi_storage_gpu_memory_peak_allocated_bytes", "The most bytes this process has held "
+                  "allocated on the GPU", registry=registry).set_function(lambda: device_peak_bytes(device))
+        if device_admission is not None:
+            Gauge("hapi_storage_gpu_memory_capacity_bytes", "GPU bytes reservations may take",
+                  registry=registry).set(device_admission.capacity)
+            Gauge("hapi_storage_gpu_memory_reserved_bytes", "GPU bytes reserved now by requests and loaded prefixes",
+                  registry=registry).set_function(lambda: device_admission.reserved)
+            Gauge("hapi_storage_gpu_memory_reserved_peak_bytes", "The most GPU bytes ever reserved at once",
+                  registry=registry).set_function(lambda: device_admission.peak_reserved)

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 from PIL import Image
 
-from hapi.transforms import TransformSpec, preprocess
+from hapi.transforms import TransformSpec, decode_crop, preprocess
 from storage_side.errors import Busy
 from storage_side.memory import process_private_bytes, return_freed_memory_promptly
 
@@ -101,7 +101,8 @@ class ComputeTurns:
 
 class PendingBatch(Protocol):
     def result(self) -> torch.Tensor:
-        """The sub-batch's inputs, (n, 3, crop, crop) float32; raises the first sample's error."""
+        """The sub-batch's inputs, (n, 3, crop, crop): float32 normalised, or the uint8 crops
+        when submitted with ``normalized=False``; raises the first sample's error."""
 
     def cancel(self) -> None:
         """Drop what has not started; the buffer is freed once nothing uses it."""
@@ -112,7 +113,7 @@ class Decoder(Protocol):
     kind: str  # "threads" or "processes"
 
     def submit(self, blobs: Sequence[bytes], keys: Sequence[str], spec: TransformSpec, epoch: int,
-               max_pixels: int) -> PendingBatch: ...
+               max_pixels: int, normalized: bool = True) -> PendingBatch: ...
 
     def private_bytes(self) -> int:
         """Memory this decoder's processes hold beyond the daemon's own (0 for threads)."""
@@ -162,10 +163,11 @@ class ThreadDecoder:
         self.start()
 
     def submit(self, blobs: Sequence[bytes], keys: Sequence[str], spec: TransformSpec, epoch: int,
-               max_pixels: int) -> _ThreadBatch:
+               max_pixels: int, normalized: bool = True) -> _ThreadBatch:
         if self.pool is None:
             raise RuntimeError("the decode threads are not started")
-        return _ThreadBatch([self.pool.submit(preprocess, blob, key, spec, epoch, max_pixels)
+        decode = preprocess if normalized else decode_crop
+        return _ThreadBatch([self.pool.submit(decode, blob, key, spec, epoch, max_pixels)
                              for blob, key in zip(blobs, keys, strict=True)])
 
     def private_bytes(self) -> int:
@@ -199,27 +201,33 @@ def _warm_up() -> int:
 
 
 def _decode_into(path: str, shape: tuple[int, ...], start: int, blobs: Sequence[bytes], keys: Sequence[str],
-                 spec: TransformSpec, epoch: int, max_pixels: int) -> None:
+                 spec: TransformSpec, epoch: int, max_pixels: int, normalized: bool) -> None:
     """Decode samples ``start...`` of a sub-batch into its buffer at ``path``; runs in a worker."""
     with open(path, "r+b") as f:
         buffer = mmap.mmap(f.fileno(), 0)
-    out = torch.frombuffer(buffer, dtype=torch.float32).view(shape)
+    out = torch.frombuffer(buffer, dtype=_buffer_dtype(normalized)).view(shape)
+    decode = preprocess if normalized else decode_crop
     try:
         for i, (blob, key) in enumerate(zip(blobs, keys, strict=True)):
-            out[start + i] = preprocess(blob, key, spec, epoch, max_pixels)
+            out[start + i] = decode(blob, key, spec, epoch, max_pixels)
     finally:
         del out  # no view of the mapping may outlive it, not even in a traceback
         buffer.close()
 
 
+def _buffer_dtype(normalized: bool) -> torch.dtype:
+    return torch.float32 if normalized else torch.uint8
+
+
 class _SharedBatch:
     """A sub-batch being decoded by workers into a file on tmpfs, mapped here too."""
 
-    def __init__(self, path: str, shape: tuple[int, ...]) -> None:
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.path = path
         self.shape = shape
+        self.dtype = dtype
         self.futures: list[Future[None]] = []
-        nbytes = max(1, torch.Size(shape).numel() * torch.float32.itemsize)
+        nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Allocated now: a full tmpfs fails here, not as a SIGBUS in a worker writing to it.
@@ -240,7 +248,7 @@ class _SharedBatch:
         finally:
             self._unlink()
         # The tensor keeps the mapping alive; its pages are freed when the tensor is.
-        return torch.frombuffer(self.buffer, dtype=torch.float32).view(self.shape)
+        return torch.frombuffer(self.buffer, dtype=self.dtype).view(self.shape)
 
     def cancel(self) -> None:
         for f in self.futures:
@@ -277,11 +285,11 @@ class ProcessDecoder:
         return pool
 
     def submit(self, blobs: Sequence[bytes], keys: Sequence[str], spec: TransformSpec, epoch: int,
-               max_pixels: int) -> PendingBatch:
+               max_pixels: int, normalized: bool = True) -> PendingBatch:
         n = len(keys)
         try:
             batch = _SharedBatch(f"{SHM_DIR}/hapi-decode-{os.getpid()}-{next(self._names)}",
-                                 (n, 3, spec.crop_size, spec.crop_size))
+                                 (n, 3, spec.crop_size, spec.crop_size), _buffer_dtype(normalized))
         except OSError as exc:
             # A container's /dev/shm is often 64 MB: decode here, on threads, rather than fail.
             with self._lock:
@@ -289,7 +297,7 @@ class ProcessDecoder:
                     log.warning("no room in %s for a sub-batch (%s): decoding on threads of this process; "
                                 "give the daemon a larger %s (docker run --shm-size)", SHM_DIR, exc, SHM_DIR)
                     self._in_process = ThreadDecoder(self.workers)
-            return self._in_process.submit(blobs, keys, spec, epoch, max_pixels)
+            return self._in_process.submit(blobs, keys, spec, epoch, max_pixels, normalized)
         runs = min(n, self.workers)
         bounds = [n * i // runs for i in range(runs + 1)]
         pool = self.pool
@@ -298,7 +306,7 @@ class ProcessDecoder:
         try:
             for lo, hi in zip(bounds, bounds[1:]):
                 batch.futures.append(pool.submit(_decode_into, batch.path, batch.shape, lo, blobs[lo:hi],
-                                                 keys[lo:hi], spec, epoch, max_pixels))
+                                                 keys[lo:hi], spec, epoch, max_pixels, normalized))
         except BrokenProcessPool:
             batch.cancel()
             self._restart(pool)

@@ -4,6 +4,10 @@ A prefix's weights hold a reservation for as long as it stays loaded; when a req
 a load cannot fit, the admission controller asks the cache to evict idle prefixes, least
 recently used first. A prefix in use is never evicted (its memory would not come back).
 Loading a prefix measures its memory model (``storage_side.memory.calibrate``).
+
+On a CUDA device the weights live on the GPU: a model is built in host memory (reserved
+there while it is built), moved to the device in channels_last and calibrated there,
+and from then on holds a reservation of GPU memory only, evicted to make room on the GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from hapi.models import (
 )
 from storage_side.admission import Admission, Reservation
 from storage_side.errors import RequestError
-from storage_side.memory import CALIBRATION_BATCHES, PrefixMemory, calibrate, model_bytes
+from storage_side.memory import CALIBRATION_BATCHES, CPU, PrefixMemory, calibrate, model_bytes
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class LoadedPrefix:
     stages: nn.Sequential
     stage_names: tuple[str, ...]
     memory: PrefixMemory
-    reservation: Reservation | None  # the weights' bytes; None when memory is not accounted
+    reservation: Reservation | None  # the weights' bytes, where they live; None when memory is not accounted
     load_s: float
     users: int = 0
     last_used: float = 0.0
@@ -97,16 +101,20 @@ def torchvision_weights_cached(enum_name: str) -> bool:
 
 class PrefixCache:
     def __init__(self, admission: Admission | None, weights_files: tuple[Path, ...],
-                 compute_dtype: torch.dtype = torch.float32) -> None:
-        self.admission = admission
+                 compute_dtype: torch.dtype = torch.float32, device: torch.device = CPU,
+                 device_admission: Admission | None = None) -> None:
+        self.admission = admission  # host memory: models are built there
         self.compute_dtype = compute_dtype
+        self.device = device
+        # The weights' memory once loaded: the GPU's on a CUDA device, else the host's.
+        self.weights_admission = device_admission if device.type == "cuda" else admission
         self._files = {file_weights_id(p): p for p in weights_files}
         self._entries: OrderedDict[PrefixKey, LoadedPrefix] = OrderedDict()
         self._lock = threading.Lock()
         self._load_lock = threading.Lock()  # one load at a time: two requests must not both build a model
         self.evictions = 0
-        if admission is not None:
-            admission.reclaim = self.evict_idle
+        if self.weights_admission is not None:
+            self.weights_admission.reclaim = self.evict_idle
 
     def _weights_source(self, model: str, weights_id: str) -> str:
         if weights_id == RANDOM_WEIGHTS:
@@ -190,23 +198,37 @@ class PrefixCache:
                                    f"loading {model} at {input_size} px needs up to {bound} bytes; this node "
                                    f"reserves at most {self.admission.capacity} (raise --memory-budget)")
             reservation = self.admission.admit(job, bound, bound)
+        on_device = self.device.type == "cuda"
+        building = reservation
         try:
+            if on_device and reservation is not None:
+                # The same bound on the GPU: the whole prefix moves there and calibrates there.
+                if bound > self.weights_admission.capacity:
+                    raise RequestError(507, "model_exceeds_memory",
+                                       f"loading {model} at {input_size} px needs up to {bound} bytes of GPU "
+                                       f"memory; this node reserves at most {self.weights_admission.capacity} "
+                                       "(raise --gpu-memory-budget)")
+                reservation = self.weights_admission.admit(job, bound, bound)
             staged = build_model(model, source, input_size)
             # Only frozen stages may run here; the rest (often the largest Linear) is dropped.
             stages = staged.prefix(staged.spec.freeze_index)
             names = staged.stage_names
             del staged
-            memory = calibrate(stages, input_size, self.compute_dtype)
+            if on_device:
+                stages = stages.to(self.device, memory_format=torch.channels_last)
+            memory = calibrate(stages, input_size, self.compute_dtype, self.device)
         except BaseException:
-            if reservation is not None:
-                reservation.release()
+            for held in {id(r): r for r in (building, reservation) if r is not None}.values():
+                held.release()
             raise
+        if building is not None and building is not reservation:
+            building.release()  # the host copy is gone: the weights are on the GPU now
         if reservation is not None:
             reservation.shrink(memory.weights_bytes)
             reservation.keep()
         load_s = time.perf_counter() - started
-        log.info("loaded prefix %s: %d frozen stages, %.1f MB of weights, calibrated at batches %s in %.2f s",
-                 key, len(stages), memory.weights_bytes / 1e6, CALIBRATION_BATCHES, load_s)
+        log.info("loaded prefix %s on %s: %d frozen stages, %.1f MB of weights, calibrated at batches %s in %.2f s",
+                 key, self.device, len(stages), memory.weights_bytes / 1e6, CALIBRATION_BATCHES, load_s)
         return LoadedPrefix(key, stages, names, memory, reservation, load_s)
 
     def evict_idle(self, nbytes: int) -> None:

@@ -54,6 +54,19 @@ def test_a_narrower_wire_dtype_halves_the_bytes_when_allowed() -> None:
     assert min(options, key=lambda c: c.pace_ms).key == (3, "bfloat16")
 
 
+def test_uint8_images_are_a_candidate_at_split_0_only_at_one_byte_an_element() -> None:
+    options = candidates(PROFILE, FREEZE, at(1e6), BATCH, dtypes=("float32", "uint8"))
+    uint8 = [c for c in options if c.dtype == "uint8"]
+    assert [c.split for c in uint8] == [0]
+    float32_at_0 = next(c for c in options if c.key == (0, "float32"))
+    assert uint8[0].bytes_per_sample == 3 * 64 * 64 == float32_at_0.bytes_per_sample / 4
+
+
+def test_only_uint8_allowed_leaves_all_in_compute_and_split_0() -> None:
+    options = candidates(PROFILE, FREEZE, at(1e6), BATCH, dtypes=("uint8",))
+    assert [c.key for c in options] == [(ALL_IN_COMPUTE, "float32"), (0, "uint8")]
+
+
 def test_the_pace_is_the_slowest_stage_and_the_fill_the_others() -> None:
     c = price(PROFILE, FREEZE, at(1e8), 2, "float32", BATCH)
     # storage: decode 2 + 2 stages; network: 30,000 floats at 100 MB/s; compute: 2 stages + train

@@ -21,7 +21,7 @@ from PIL import Image
 from hapi.datasets import Manifest, make_synthetic
 from hapi.models import MODELS, build_model
 from hapi.store import FileStore
-from hapi.transforms import TransformSpec, preprocess
+from hapi.transforms import TransformSpec, normalize, preprocess
 from hapi.wire import decode_features
 from storage_side.app import create_app
 from storage_side.config import DaemonConfig
@@ -31,6 +31,7 @@ FREEZE = MODELS["resnet18"].freeze_index  # 11
 MAX_KEYS = 4
 MAX_BYTES = 4096
 SHARDED = "sharded/"  # the sharded copy of the data set lives under this prefix of the same store
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
 
 
 @dataclass(frozen=True)
@@ -207,6 +208,66 @@ def test_half_precision_wire_dtypes(client, data, dtype, torch_dtype, rtol) -> N
     torch.testing.assert_close(features.float(), reference, rtol=rtol, atol=1e-3)
 
 
+def test_uint8_images_at_split_0_are_a_quarter_of_the_bytes_and_normalise_to_the_float_input(client, data) -> None:
+    keys = data.val_keys(3)
+    floats = _extract(client, keys, 0)
+    images = _extract(client, keys, 0, dtype="uint8")
+    assert images.status_code == 200
+    reference, _, _ = decode_features(floats.data)
+    crops, got_keys, meta = decode_features(images.data)
+    assert crops.dtype == torch.uint8 and got_keys == tuple(keys) and meta["split"] == 0
+    assert len(images.data) < 0.3 * len(floats.data)
+    # Both are the same decoded crop; on the CPU, normalising it is bit for bit the float input.
+    assert torch.equal(normalize(crops, SPEC), reference)
+
+
+def test_uint8_images_after_split_0_are_400_json(client, data) -> None:
+    error = _assert_json_error(_extract(client, data.val_keys(1), 4, dtype="uint8"), 400, "bad_request")
+    assert "only split 0" in error["message"]
+    _assert_still_serving(client, data)
+
+
+@CUDA
+def test_on_the_gpu_features_match_the_cpu_within_bf16_and_the_node_says_where(client, data) -> None:
+    gpu = create_app(DaemonConfig(store_url=data.store.url, device="cuda", gpu_memory_budget=4 << 30,
+                                  max_sub_batch=2)).test_client()
+    keys = data.val_keys(3)
+    for split in (4, FREEZE):
+        reference, _, _ = decode_features(_extract(client, keys, split).data)
+        response = _extract(gpu, keys, split)
+        assert response.status_code == 200, response.data[:300]
+        features, got_keys, meta = decode_features(response.data)
+        assert features.dtype == torch.float32 and got_keys == tuple(keys) and meta["sub_batch"] == 2
+        torch.testing.assert_close(features, reference, rtol=5e-2, atol=5e-2)
+    # uint8 images at split 0 are decoded on the CPUs either way: the same bytes.
+    images = [decode_features(_extract(app, keys, 0, dtype="uint8").data)[0] for app in (gpu, client)]
+    assert torch.equal(*images)
+    node = gpu.get("/v1/models").get_json()["node"]
+    assert node["device"].startswith("cuda:") and node["device_name"] == torch.cuda.get_device_name()
+    assert 0 < node["gpu_memory_reserved_peak"] <= node["gpu_memory_capacity"] < node["gpu_memory_budget"]
+    assert node["gpu_memory_peak_allocated"] > 0
+    assert "hapi_storage_gpu_memory_peak_allocated_bytes" in gpu.get("/metrics").get_data(as_text=True)
+
+
+@CUDA
+def test_little_free_gpu_memory_shrinks_the_sub_batch_not_the_features(data) -> None:
+    app = create_app(DaemonConfig(store_url=data.store.url, device="cuda", max_sub_batch=4, min_sub_batch=1))
+    client, keys = app.test_client(), data.val_keys(4)
+    roomy, _, meta = decode_features(_extract(client, keys, FREEZE).data)  # loads the model, too
+    assert meta["sub_batch"] == 4
+    memory = app.extensions["hapi"]["cache"].loaded()[0].memory
+    admission = app.extensions["hapi"]["extractor"].device_admission
+    # Another job holds all the GPU memory but room for one sample's pass and half of a second's.
+    room = memory.forward_bytes(FREEZE, 1) + (memory.forward_bytes(FREEZE, 2) - memory.forward_bytes(FREEZE, 1)) // 2
+    with admission.admit("other-job", admission.free - room, admission.free - room):
+        response = _extract(client, keys, FREEZE)
+    assert response.status_code == 200, response.data[:300]
+    features, _, meta = decode_features(response.data)
+    assert meta["sub_batch"] == 1
+    torch.testing.assert_close(features, roomy, rtol=5e-2, atol=5e-2)
+    assert admission.peak_reserved <= admission.capacity
+
+
 def test_healthz(client, data) -> None:
     response = client.get("/healthz")
     assert response.status_code == 200
@@ -220,6 +281,8 @@ def test_models_lists_the_registry(client) -> None:
     assert set(models) == set(MODELS)
     assert models["resnet18"] == {"name": "resnet18", "freeze_index": 11, "input_size": 224}
     assert models["resnet50"]["freeze_index"] == 22
+    node = response.get_json()["node"]
+    assert node["device"] == "cpu" and "gpu_memory_budget" not in node  # the default: the prefix on the CPU
 
 
 # --- bad requests: JSON errors, and the app keeps serving ---------------------------

@@ -25,13 +25,13 @@ from hapi.datasets import make_synthetic
 from hapi.models import build_model
 from hapi.store import FileStore
 from hapi.synthetic import render_jpeg
-from hapi.transforms import CorruptImageError, TransformSpec, preprocess
+from hapi.transforms import CorruptImageError, TransformSpec, decode_crop, preprocess
 from hapi.wire import ExtractRequest
 from storage_side.app import create_app
 from storage_side.config import DaemonConfig
 from storage_side.errors import Busy
 from storage_side.memory import process_rss_bytes
-from storage_side.parallel import ComputeTurns, ProcessDecoder
+from storage_side.parallel import ComputeTurns, ProcessDecoder, ThreadDecoder
 
 SPEC = TransformSpec(crop_size=32, resize_size=40)
 MB = 1 << 20
@@ -70,6 +70,20 @@ def test_workers_decode_what_the_daemon_would_bit_for_bit(decoder: ProcessDecode
     got = decoder.submit(blobs, keys, spec, 4, 1 << 26).result()
     expected = torch.stack([preprocess(b, k, spec, 4, 1 << 26) for b, k in zip(blobs, keys, strict=True)])
     assert got.dtype == torch.float32 and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("make", [ProcessDecoder, ThreadDecoder], ids=["processes", "threads"])
+def test_uint8_crops_for_the_image_wire_dtype(make, decoder: ProcessDecoder) -> None:
+    blobs = [render_jpeg(i % 10, i) for i in range(3)] + [_png(1)]
+    keys = [f"k/{i}" for i in range(len(blobs))]
+    own = None if make is ProcessDecoder else make(2)
+    try:
+        got = (own or decoder).submit(blobs, keys, SPEC, 1, 1 << 26, normalized=False).result()
+    finally:
+        if own is not None:
+            own.close()
+    expected = torch.stack([decode_crop(b, k, SPEC, 1, 1 << 26) for b, k in zip(blobs, keys, strict=True)])
+    assert got.dtype == torch.uint8 and torch.equal(got, expected)
 
 
 def test_a_corrupt_image_in_a_worker_is_reported_by_its_key(decoder: ProcessDecoder) -> None:

@@ -8,15 +8,20 @@ import torch
 from hapi.models import build_model
 from storage_side.config import parse_size
 from storage_side.memory import (
+    autocast_context,
     calibrate,
     default_memory_budget,
+    device_peak_bytes,
     machine_memory_bytes,
     model_bytes,
+    peak_device_bytes,
     peak_live_bytes,
     peak_rss_bytes,
     process_rss_bytes,
 )
 from storage_side.prefix_cache import load_bytes_bound
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
 
 
 @pytest.mark.parametrize("model, size", [("resnet18", 32), ("resnet18", 96), ("vgg11", 32)])
@@ -36,6 +41,36 @@ def test_calibrated_model_covers_the_measured_peak(model: str, size: int) -> Non
             assert measured <= predicted <= 1.15 * measured + (1 << 20), (split, batch, measured, predicted)
         with torch.inference_mode():
             assert prefix(torch.randn(1, 3, size, size))[0].numel() == memory.output_numel[split]
+
+
+@CUDA
+@pytest.mark.parametrize("model, size", [("resnet18", 64), ("resnet50", 224)])
+def test_calibrated_on_the_gpu_the_model_covers_the_gpu_peak(model: str, size: int) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    staged = build_model(model, input_size=size)
+    frozen = staged.prefix(staged.spec.freeze_index).to(device, memory_format=torch.channels_last)
+    memory = calibrate(frozen, size, torch.float32, device)
+    assert memory.weights_bytes == model_bytes(frozen)
+    for split in (4, staged.spec.freeze_index):
+        prefix = frozen[:split]
+        for batch in (3, 16, 33):
+            x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+            with torch.inference_mode(), autocast_context(torch.float32, device):
+                measured = x.nbytes + peak_device_bytes(lambda prefix=prefix, x=x: prefix(x), device)
+            predicted = memory.forward_bytes(split, batch)
+            # Never below what the GPU holds; within the allocator's rounding (blocks of 512 bytes
+            # and 2 MB segments) of it, not wastefully above.
+            assert measured <= predicted <= 1.25 * measured + (8 << 20), (split, batch, measured, predicted)
+
+
+@CUDA
+def test_the_gpu_peak_survives_the_counter_being_reset_for_a_measurement() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    big = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+    del big
+    assert device_peak_bytes(device) >= 64 << 20
+    peak_device_bytes(lambda: torch.empty(1 << 20, dtype=torch.uint8, device=device), device)
+    assert torch.cuda.max_memory_allocated(device) < 64 << 20 <= device_peak_bytes(device)
 
 
 def test_load_bound_covers_loading_and_calibrating() -> None:

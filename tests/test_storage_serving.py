@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 import requests
+import torch
 
 from compute_side.daemon_process import local_daemon
 from experiments.attacks import LONG_URL, MANY_HEADERS, half_open_connections, healthz_s
 from hapi.store import FileStore
 from hapi.wire import TOKEN_ENV
-from storage_side.__main__ import parse_args
+from storage_side.__main__ import main, parse_args
+from storage_side.config import DaemonConfig, resolve_device
 
 TOKEN = "serving-test-token"
 
@@ -108,3 +110,34 @@ def test_a_dataset_prefix_must_be_plain(prefix: str, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--store", "file:///tmp", "--dataset-prefix", prefix])
     assert "dataset prefix" in capsys.readouterr().err
+
+
+# --- the device the prefix runs on -------------------------------------------------------
+
+
+def test_the_prefix_runs_on_the_cpu_unless_asked() -> None:
+    assert parse_args(["--store", "file:///tmp"]).device == DaemonConfig(store_url="").device == "cpu"
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_auto_is_cuda_where_there_is_one_else_the_cpu() -> None:
+    assert parse_args(["--store", "file:///tmp", "--device", "auto"]).device == "auto"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.parametrize("device, words", [("tpu", "expected auto, cpu, cuda or cuda:N"),
+                                           ("cuda:x", "expected auto, cpu, cuda or cuda:N")])
+def test_a_device_that_is_no_device_is_a_usage_error(device: str, words: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--store", "file:///tmp", "--device", device])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(words)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a CUDA device")
+def test_asking_for_a_gpu_on_a_host_without_one_is_one_line_and_status_2(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--store", "file:///tmp", "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "python -m storage_side: error: --device cuda: this host has no CUDA device")

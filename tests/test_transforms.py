@@ -12,6 +12,8 @@ from hapi.transforms import (
     CorruptImageError,
     ImageTooLargeError,
     TransformSpec,
+    decode_crop,
+    normalize,
     preprocess,
     preprocess_peak_bytes,
     read_header,
@@ -27,6 +29,19 @@ def test_eval_transform_is_a_normalised_centre_crop(jpeg: bytes) -> None:
     x = preprocess(jpeg, "k", TransformSpec(crop_size=64, resize_size=72))
     assert x.shape == (3, 64, 64) and x.dtype == torch.float32
     assert -3 < x.mean() < 3  # normalised, not 0..255
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_normalising_the_uint8_crop_is_preprocess_bit_for_bit(jpeg: bytes, augment: bool) -> None:
+    spec = TransformSpec(crop_size=64, resize_size=72, augment=augment)
+    crops = torch.stack([decode_crop(jpeg, k, spec, 2) for k in ("a", "b")])
+    assert crops.dtype == torch.uint8 and crops.shape == (2, 3, 64, 64)
+    assert torch.equal(normalize(crops, spec), torch.stack([preprocess(jpeg, k, spec, 2) for k in ("a", "b")]))
+
+
+def test_normalize_takes_only_uint8() -> None:
+    with pytest.raises(ValueError, match="uint8"):
+        normalize(torch.zeros(1, 3, 8, 8), TransformSpec(crop_size=8, resize_size=8))
 
 
 def test_png_and_greyscale_decode_to_three_channels() -> None:

@@ -7,9 +7,9 @@ from hapi.transforms import TransformSpec
 from hapi.wire import ExtractRequest, WireError, decode_features, encode_features, parse_json
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8])
 def test_features_round_trip_without_pickle(dtype: torch.dtype) -> None:
-    features = torch.randn(3, 8, 2, 2).to(dtype)
+    features = (torch.rand(3, 8, 2, 2) * 255).to(dtype)
     blob = encode_features(features, ("a", "b", "c"), {"split": 5, "timings": {"forward_ms": 1.5}})
     assert b"pickle" not in blob and blob[8:9] == b"{"  # a JSON header, then raw bytes
     decoded, keys, meta = decode_features(bytearray(blob))
@@ -33,6 +33,11 @@ def test_malformed_responses_are_wire_errors() -> None:
         decode_features(bytearray(blob[:-8]))
 
 
+def test_uint8_images_are_a_request_at_split_0() -> None:
+    request = ExtractRequest.from_json({"keys": ["a"], "model": "resnet18", "split": 0, "dtype": "uint8"})
+    assert request.dtype == "uint8" and request.split == 0
+
+
 def test_request_round_trips_through_json() -> None:
     request = ExtractRequest(keys=("x", "y"), model="resnet18", split=4,
                              transform=TransformSpec(crop_size=64, resize_size=72, augment=True),
@@ -48,6 +53,7 @@ def test_request_round_trips_through_json() -> None:
     ({"keys": ["a"], "model": "resnet18", "split": "1"}, "'split' must be a int"),
     ({"keys": ["a"], "model": "resnet18", "split": True}, "'split' must be a int"),
     ({"keys": ["a"], "model": "resnet18", "split": 1, "dtype": "int8"}, "dtype 'int8'"),
+    ({"keys": ["a"], "model": "resnet18", "split": 1, "dtype": "uint8"}, "only split 0 ships"),
     ({"keys": ["a"], "model": "resnet18", "split": 1, "colour": 1}, "unknown field"),
     ({"keys": ["a"], "model": "resnet18", "split": 1, "transform": {"crop_size": 4}}, "bad 'transform'"),
 ])
