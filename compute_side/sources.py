@@ -2,6 +2,11 @@
 
 Both return the input of stage ``split`` for a list of samples, in order, so the loader
 and the trainer run one code path whatever the mode.
+
+Images arrive here as float32 model inputs, whatever crossed the network: uint8 crops
+from a storage node (split 0's image wire dtype) are normalised as they arrive, and raw
+objects are decoded here, on the CPUs or (``decode_device`` cuda) on the GPU with nvJPEG,
+which also normalises them there; so every consumer receives float features.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from hapi.datasets import Sample, read_samples
 from hapi.models import StagedModel
 from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner, Reply
 from hapi.store import ObjectStore
-from hapi.transforms import TransformSpec, preprocess
-from hapi.wire import WIRE_DTYPES, ExtractRequest
+from hapi.transforms import TransformSpec, decode_crops, normalize, preprocess
+from hapi.wire import IMAGE_WIRE_DTYPES, WIRE_DTYPES, ExtractRequest
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +36,7 @@ log = logging.getLogger(__name__)
 class Part:
     """The inputs of stage ``split`` for one request's samples."""
 
-    features: torch.Tensor
+    features: torch.Tensor  # float: images that crossed the network as uint8 are normalised already
     split: int  # the stage whose input these are; ALL_IN_COMPUTE: stage 0's, from raw objects
     dtype: str  # the wire dtype they crossed the network in (all-in-compute: float32 after decode)
     wire_bytes: int  # bytes that crossed the storage-compute network
@@ -51,10 +56,11 @@ class PushdownSource:
     """
 
     def __init__(self, clients: Sequence[StorageClient], template: ExtractRequest,
-                 fallback: LocalPrefix | None = None) -> None:
+                 fallback: LocalPrefix | None = None, decode_device: torch.device | str = "cpu") -> None:
         self.clients = list(clients)
         self.template = template
         self.fallback = fallback
+        self.decode_device = torch.device(decode_device)  # where uint8 images are normalised
         self._turn = itertools.count()
 
     @property
@@ -127,7 +133,10 @@ class PushdownSource:
         load_s = float(extracted.metadata.get("timings", {}).get("load_ms", 0.0)) / 1e3
         attempt.client.pace.record((request.split, request.dtype), time.perf_counter() - attempt.started - load_s)
         body = (extracted.body_started, extracted.body_started + extracted.body_s)
-        return Part(extracted.features, request.split, request.dtype, extracted.wire_bytes,
+        features = extracted.features
+        if request.dtype in IMAGE_WIRE_DTYPES:
+            features = normalize(features, request.transform, self.decode_device)
+        return Part(features, request.split, request.dtype, extracted.wire_bytes,
                     (time.perf_counter() - started) * 1e3, body, dict(extracted.metadata.get("timings", {})))
 
     def _no_node_answers(self, request: ExtractRequest, samples: Sequence[Sample], started: float,
@@ -186,9 +195,10 @@ class LocalPrefix:
     node would have sent, so the part keeps the request's split and dtype and the trainer
     and loader see no difference. It says so once per run."""
 
-    def __init__(self, store: ObjectStore, model: StagedModel) -> None:
+    def __init__(self, store: ObjectStore, model: StagedModel, decode_device: torch.device | str = "cpu") -> None:
         self.store = store
         self.model = model
+        self.decode_device = torch.device(decode_device)
         self._lock = threading.Lock()
         self._raw: dict[TransformSpec, RawObjectSource] = {}
         self._warned = False
@@ -201,7 +211,9 @@ class LocalPrefix:
         # never trains them (check_split: the split is never past the freeze index).
         prefix = self.model.prefix(request.split).eval()
         with torch.no_grad():  # not inference_mode: the trainer's head may take these as input
-            features = prefix(raw.features).to(WIRE_DTYPES[request.dtype])
+            features = prefix(raw.features)
+        if request.dtype not in IMAGE_WIRE_DTYPES:  # an image dtype's crops arrive normalised: as these are
+            features = features.to(WIRE_DTYPES[request.dtype])
         timings = {**raw.timings, "local_forward_ms": (time.perf_counter() - started) * 1e3}
         return Part(features, request.split, request.dtype, raw.wire_bytes, raw.elapsed_ms, raw.link_interval,
                     timings)
@@ -209,7 +221,7 @@ class LocalPrefix:
     def _raw_source(self, transform: TransformSpec) -> RawObjectSource:
         with self._lock:
             if transform not in self._raw:
-                self._raw[transform] = RawObjectSource(self.store, transform)
+                self._raw[transform] = RawObjectSource(self.store, transform, decode_device=self.decode_device)
             return self._raw[transform]
 
     def _warn_once(self, split: int) -> None:
@@ -229,14 +241,19 @@ class RawObjectSource:
     """The all-in-compute baseline: raw objects fetched with concurrent GETs, decoded here.
 
     As fast as a good S3 loader: one shared client, ``io_threads`` GETs in flight, and
-    decoding on the same threads (torchvision's decoders release the GIL).
+    decoding on the same threads (torchvision's decoders release the GIL). With a CUDA
+    ``decode_device`` a request's JPEGs are decoded together on the GPU (nvJPEG), cropped
+    and normalised there, and its features stay there: a GPU node's own CPUs decode
+    slower than its GPU trains.
     """
 
     split = ALL_IN_COMPUTE  # inputs of stage 0, from raw objects
 
-    def __init__(self, store: ObjectStore, transform: TransformSpec, io_threads: int = IO_THREADS) -> None:
+    def __init__(self, store: ObjectStore, transform: TransformSpec, io_threads: int = IO_THREADS,
+                 decode_device: torch.device | str = "cpu") -> None:
         self.store = store
         self.transform = transform
+        self.decode_device = torch.device(decode_device)
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="get")
 
     def fetch(self, samples: Sequence[Sample], epoch: int) -> Part:
@@ -244,10 +261,15 @@ class RawObjectSource:
         started = time.perf_counter()
         blobs = read_samples(self.store, keys, self.pool)
         fetched = time.perf_counter()
-        inputs = list(self.pool.map(lambda kb: preprocess(kb[1], kb[0], self.transform, epoch), zip(keys, blobs)))
+        if self.decode_device.type == "cuda":
+            crops = decode_crops(blobs, keys, self.transform, epoch, self.decode_device)
+            features = normalize(crops, self.transform)
+        else:
+            features = torch.stack(list(self.pool.map(lambda kb: preprocess(kb[1], kb[0], self.transform, epoch),
+                                                      zip(keys, blobs))))
         elapsed_ms = (time.perf_counter() - started) * 1e3
         timings = {"fetch_ms": (fetched - started) * 1e3, "decode_ms": elapsed_ms - (fetched - started) * 1e3}
-        return Part(torch.stack(inputs), ALL_IN_COMPUTE, "float32", sum(len(b) for b in blobs), elapsed_ms,
+        return Part(features, ALL_IN_COMPUTE, "float32", sum(len(b) for b in blobs), elapsed_ms,
                     (started, fetched), timings)
 
 
@@ -258,25 +280,30 @@ class Sources:
     """The (train, validation) sources of each candidate, built once and kept.
 
     Given the ``model``, pushdown sources fall back to running its prefix here when no
-    storage node answers; without it, they fail then.
+    storage node answers; without it, they fail then. ``decode_device`` is where this tier
+    turns images into model inputs: raw objects decoded (CUDA: nvJPEG on the GPU) and uint8
+    crops from storage nodes normalised; pass the trainer's device on a GPU host.
     """
 
     def __init__(self, clients: Sequence[StorageClient], store: ObjectStore, template: ExtractRequest,
-                 eval_transform: TransformSpec, model: StagedModel | None = None) -> None:
+                 eval_transform: TransformSpec, model: StagedModel | None = None,
+                 decode_device: torch.device | str = "cpu") -> None:
         self.clients, self.store, self.template, self.eval_transform = list(clients), store, template, eval_transform
-        self.fallback = LocalPrefix(store, model) if model is not None else None
+        self.decode_device = torch.device(decode_device)
+        self.fallback = LocalPrefix(store, model, self.decode_device) if model is not None else None
         self._built: dict[tuple[int, str], tuple[FeatureSource, FeatureSource]] = {}
 
     def build(self, split: int, dtype: str) -> tuple[FeatureSource, FeatureSource]:
         if (split, dtype) not in self._built:
             # Validation never augments: the same centre crop on every run.
             if split == ALL_IN_COMPUTE:
-                pair = (RawObjectSource(self.store, self.template.transform),
-                        RawObjectSource(self.store, self.eval_transform))
+                pair = (RawObjectSource(self.store, self.template.transform, decode_device=self.decode_device),
+                        RawObjectSource(self.store, self.eval_transform, decode_device=self.decode_device))
             else:
                 train = replace(self.template, split=split, dtype=dtype)
-                pair = (PushdownSource(self.clients, train, self.fallback),
-                        PushdownSource(self.clients, replace(train, transform=self.eval_transform), self.fallback))
+                pair = (PushdownSource(self.clients, train, self.fallback, self.decode_device),
+                        PushdownSource(self.clients, replace(train, transform=self.eval_transform), self.fallback,
+                                       self.decode_device))
             self._built[(split, dtype)] = pair
         return self._built[(split, dtype)]
 

@@ -11,7 +11,7 @@ import torch
 
 from compute_side.client import HEDGE_FLOOR_S, PROBE_TIMEOUT_S, StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
-from compute_side.sources import LocalPrefix, PushdownSource, RawObjectSource
+from compute_side.sources import LocalPrefix, PushdownSource, RawObjectSource, Sources
 from hapi.datasets import Sample, make_synthetic
 from hapi.models import build_model
 from hapi.store import FileStore
@@ -19,6 +19,7 @@ from hapi.transforms import TransformSpec
 from hapi.wire import ExtractRequest
 
 TRANSFORM = TransformSpec(crop_size=32, resize_size=36)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,63 @@ def test_raw_objects_give_the_inputs_the_daemon_would_compute(data, node) -> Non
     assert torch.equal(raw.features, pushed.features)
     assert raw.wire_bytes == sum(s.size for s in samples[:6])  # raw objects cross the network
     assert pushed.wire_bytes > 3 * 32 * 32 * 4 * 6  # decoded float32 tensors are larger
+
+
+def test_uint8_images_arrive_normalised_as_the_float_inputs_at_a_quarter_of_the_bytes(data, node) -> None:
+    _, samples = data
+    floats = PushdownSource([node], _template(split=0)).fetch(samples[:6], epoch=0)
+    images = PushdownSource([node], replace(_template(split=0), dtype="uint8")).fetch(samples[:6], epoch=0)
+    # What crossed the wire: uint8, a quarter of the float32 bytes (and a header each).
+    assert images.dtype == "uint8" and images.split == 0
+    assert images.wire_bytes < 0.3 * floats.wire_bytes
+    # What the trainer receives: float inputs, the same decoded crop normalised (bit for bit on the CPU).
+    assert images.features.dtype == torch.float32
+    torch.testing.assert_close(images.features, floats.features, rtol=0, atol=1 / 255 / min(TRANSFORM.std))
+
+
+def test_uint8_images_after_split_0_are_refused_by_the_node(data, node) -> None:
+    _, samples = data
+    with pytest.raises(StorageNodeError, match="only split 0") as info:
+        PushdownSource([node], replace(_template(split=4), dtype="uint8")).fetch(samples[:2], epoch=0)
+    assert info.value.status == 400
+
+
+def test_the_local_fallback_of_uint8_images_is_the_normalised_input(data, node) -> None:
+    store, samples = data
+    fallback = LocalPrefix(store, build_model("resnet18", input_size=TRANSFORM.crop_size))
+    images = replace(_template(split=0), dtype="uint8")
+    local = PushdownSource([_dead()], images, fallback).fetch(samples[:3], epoch=0)
+    assert local.dtype == "uint8" and local.features.dtype == torch.float32
+    assert torch.equal(local.features, PushdownSource([node], images).fetch(samples[:3], epoch=0).features)
+
+
+def test_sources_decode_on_the_cpu_unless_told(data) -> None:
+    store, _ = data
+    train, val = Sources([], store, _template(), TRANSFORM).build(-1, "float32")
+    assert train.decode_device == val.decode_device == torch.device("cpu")
+
+
+@CUDA
+def test_raw_objects_decoded_on_the_gpu_match_the_cpu_within_a_few_levels(data) -> None:
+    store, samples = data
+    for transform in (TransformSpec(crop_size=224, resize_size=256), replace(TRANSFORM, augment=True)):
+        cpu = RawObjectSource(store, transform).fetch(samples[:8], epoch=1)
+        gpu = RawObjectSource(store, transform, decode_device="cuda").fetch(samples[:8], epoch=1)
+        assert gpu.features.is_cuda and gpu.features.dtype == torch.float32 and gpu.dtype == "float32"
+        assert gpu.wire_bytes == cpu.wire_bytes
+        # In uint8 levels: nvJPEG's IDCT and the GPU's resize round on their own.
+        levels = ((gpu.features.cpu() - cpu.features) * torch.tensor(transform.std)[:, None, None] * 255).abs()
+        assert levels.mean() < 1.5 and (levels > 8).float().mean() < 0.01, (levels.mean(), levels.max())
+
+
+@CUDA
+def test_uint8_images_are_normalised_on_the_gpu_when_decoding_is_there(data, node) -> None:
+    _, samples = data
+    images = replace(_template(split=0), dtype="uint8")
+    gpu = PushdownSource([node], images, decode_device="cuda").fetch(samples[:4], epoch=0)
+    cpu = PushdownSource([node], images).fetch(samples[:4], epoch=0)
+    assert gpu.features.is_cuda
+    torch.testing.assert_close(gpu.features.cpu(), cpu.features)
 
 
 @pytest.fixture
