@@ -138,9 +138,9 @@ def cuda_tests(work: Path, clock: Clock, config: CheckConfig) -> tuple[Row, dict
                f"--junitxml={report}", *CUDA_TEST_FILES]
     rc, text = run(command, min(config.step_timeout_s, clock.left()), work / "cuda-tests.log")
     outcomes = junit_outcomes(report) if report.is_file() else {}
-    failed = [name for name, outcome in outcomes.items() if outcome != "passed"]
-    status = "timeout" if rc == 124 else "ok" if rc == 0 and outcomes and not failed else "failed"
-    note = f"{len(outcomes) - len(failed)} of {len(outcomes)} passed" if outcomes else tail(text)
+    counts = {kind: sum(outcome == kind for outcome in outcomes.values()) for kind in ("passed", "failed", "skipped")}
+    status = "timeout" if rc == 124 else "ok" if rc == 0 and counts["passed"] and not counts["failed"] else "failed"
+    note = ", ".join(f"{n} {kind}" for kind, n in counts.items()) if outcomes else tail(text)
     return Row("CUDA-only tests", status, note), outcomes
 
 

@@ -119,7 +119,7 @@ def test_raw_objects_decoded_on_the_gpu_match_the_cpu_within_a_few_levels(data) 
         assert gpu.wire_bytes == cpu.wire_bytes
         # In uint8 levels: nvJPEG's IDCT and the GPU's resize round on their own.
         levels = ((gpu.features.cpu() - cpu.features) * torch.tensor(transform.std)[:, None, None] * 255).abs()
-        assert levels.mean() < 1.5 and (levels > 8).float().mean() < 0.01, (levels.mean(), levels.max())
+        assert levels.mean() < 2 and (levels > 16).float().mean() < 0.01, (levels.mean(), levels.max())
 
 
 @CUDA

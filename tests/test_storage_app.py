@@ -230,7 +230,7 @@ def test_uint8_images_after_split_0_are_400_json(client, data) -> None:
 @CUDA
 def test_on_the_gpu_features_match_the_cpu_within_bf16_and_the_node_says_where(client, data) -> None:
     gpu = create_app(DaemonConfig(store_url=data.store.url, device="cuda", gpu_memory_budget=4 << 30,
-                                  max_sub_batch=2)).test_client()
+                                  max_sub_batch=2, decode_workers=0)).test_client()
     keys = data.val_keys(3)
     for split in (4, FREEZE):
         reference, _, _ = decode_features(_extract(client, keys, split).data)
@@ -251,7 +251,8 @@ def test_on_the_gpu_features_match_the_cpu_within_bf16_and_the_node_says_where(c
 
 @CUDA
 def test_little_free_gpu_memory_shrinks_the_sub_batch_not_the_features(data) -> None:
-    app = create_app(DaemonConfig(store_url=data.store.url, device="cuda", max_sub_batch=4, min_sub_batch=1))
+    app = create_app(DaemonConfig(store_url=data.store.url, device="cuda", max_sub_batch=4, min_sub_batch=1,
+                                  decode_workers=0))
     client, keys = app.test_client(), data.val_keys(4)
     roomy, _, meta = decode_features(_extract(client, keys, FREEZE).data)  # loads the model, too
     assert meta["sub_batch"] == 4
