@@ -213,21 +213,21 @@ class Extractor:
             started = time.perf_counter()
             reservation = self._admit(request, cost)
             try:
-                on_device = self._admit_device(request, cost)
+                gpu_reservation = self._admit_device(request, cost)
             except BaseException:
                 if reservation is not None:
                     reservation.release()
                 raise
             timings["queue_ms"] = _ms_since(started)
             try:
-                blob = self._run(request, prefix, cost, reservation, on_device, stats)
+                blob = self._run(request, prefix, cost, reservation, gpu_reservation, stats)
             except BaseException:
                 if reservation is not None:
                     reservation.release()
                 raise
             finally:
-                if on_device is not None:
-                    on_device.release()
+                if gpu_reservation is not None:
+                    gpu_reservation.release()
         if reservation is not None:
             # Until the response is sent, only the blob stays; the work is done, so the
             # request's turn passes on now, whenever the reply finishes going out.
@@ -273,7 +273,7 @@ class Extractor:
         return self.device_admission.admit(request.job_id, need, want)
 
     def _run(self, request: ExtractRequest, prefix: LoadedPrefix, cost: RequestCost, reservation: Reservation | None,
-             on_device: Reservation | None, stats: RequestStats) -> bytes:
+             gpu_reservation: Reservation | None, stats: RequestStats) -> bytes:
         timings = stats.timings
         started = time.perf_counter()
         shards = {k.split(SHARD_SEPARATOR, 1)[0] for k in request.keys if SHARD_SEPARATOR in k}
@@ -294,9 +294,9 @@ class Extractor:
             peaks.append(preprocess_peak_bytes(header, request.transform))
         cost = replace(cost, staging=Staging.measure(map(len, blobs), peaks, bool(shards)))
         sub_batch = self._choose_sub_batch(cost, reservation)
-        if on_device is not None:  # and the largest the GPU reservation holds
-            sub_batch = max(1, min(sub_batch, cost.largest_device_sub_batch(on_device.bytes, sub_batch)))
-            on_device.shrink(cost.device_bytes(sub_batch))
+        if gpu_reservation is not None:  # and the largest the GPU reservation holds
+            sub_batch = max(1, min(sub_batch, cost.largest_device_sub_batch(gpu_reservation.bytes, sub_batch)))
+            gpu_reservation.shrink(cost.device_bytes(sub_batch))
         self.sample_sizes.record(cost.staging)
         stats.sub_batch = sub_batch
         stats.reserved_bytes = reservation.bytes if reservation else 0
