@@ -40,6 +40,9 @@ class Steering(Protocol):
 
     def arrived(self, part: Part, samples: int) -> None: ...
 
+    def cached(self, samples: int) -> None:
+        """A batch was served from the feature cache instead: no source was picked for it."""
+
 
 class Fixed:
     """One source for every batch."""
@@ -53,6 +56,9 @@ class Fixed:
         return self.source
 
     def arrived(self, part: Part, samples: int) -> None:
+        pass
+
+    def cached(self, samples: int) -> None:
         pass
 
 
@@ -129,6 +135,7 @@ class PipelinedLoader:
                 started = time.perf_counter()
                 hit = self.cache.get(batch) if self.cache is not None else None
                 if hit is not None:
+                    steering.cached(len(batch))
                     yield _assemble(batch, [hit], time.perf_counter() - started, cached=True)
                     continue
                 source = steering.pick(len(batch))
@@ -153,6 +160,7 @@ class PipelinedLoader:
                     if index not in batch_source:
                         hit = self.cache.get(batches[index]) if self.cache is not None else None
                         if hit is not None:  # in line with the requests, so batches still come in order
+                            steering.cached(len(batches[index]))
                             while queue and queue[-1][0] == index:
                                 queue.pop()
                             served: Future[Part] = Future()

@@ -323,6 +323,9 @@ class Planned:
         candidate = self.planner.pick(samples, training=not self.validation)
         return self.sources.build(candidate.split, candidate.dtype)[self.validation]
 
+    def cached(self, samples: int) -> None:
+        pass  # a cache hit tells the planner nothing of the link or a node
+
     def arrived(self, part: Part, samples: int) -> None:
         if "local_forward_ms" in part.timings:
             return  # computed here, with no node answering: it tells nothing of the link or a node

@@ -7,16 +7,27 @@ end) train. Every optimiser step sees exactly one user batch.
 On a CUDA device the stages run in bf16 autocast with CNN activations in channels_last
 (the layout its convolution kernels are fastest in), and batches are copied to it without
 blocking the host; on the CPU everything stays float32, as the storage tier computes.
+
+In a job of many ranks (``torchrun``) the trained stages are wrapped in
+DistributedDataParallel, each rank trains its slice of the global batch, and each rank's
+loss is its slice's summed loss over the global batch's size, so the averaged gradient is
+the whole batch's mean, as one process would compute it, whatever the slices' sizes
+(empty ones too). BatchNorm in the trained stages (every new head standardises its input
+with one) takes its statistics over the global batch (``WorldBatchNorm``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from compute_side.distributed import with_world_batch_norm
 from hapi.models import StagedModel
 
 OPTIMIZERS = ("sgd", "adam")
@@ -38,13 +49,19 @@ class HeadTrainer:
     batch to the next (re-planning) without touching what is trained.
     """
 
-    def __init__(self, model: StagedModel, config: TrainConfig) -> None:
+    def __init__(self, model: StagedModel, config: TrainConfig, distributed: bool = False) -> None:
         self.freeze = model.spec.freeze_index
         self.device = torch.device(config.device)
         cuda = self.device.type == "cuda"
         layout = {"memory_format": torch.channels_last} if cuda else {}
         self.frozen = nn.Sequential(*model.stages[: self.freeze]).to(self.device, **layout).eval().requires_grad_(False)
         self.trainable = nn.Sequential(*model.stages[self.freeze:]).to(self.device, **layout).train()
+        self.world_size = dist.get_world_size() if distributed else 1
+        self._ddp: DistributedDataParallel | None = None
+        if distributed:  # rank 0's initial weights reach every rank here
+            # A copy: the model's own stages stay as built, for whatever times them on one rank.
+            self.trainable = with_world_batch_norm(copy.deepcopy(self.trainable))
+            self._ddp = DistributedDataParallel(self.trainable, device_ids=[self.device.index] if cuda else None)
         self._autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
         self._channels_last = cuda
         params = [p for p in self.trainable.parameters() if p.requires_grad]
@@ -69,19 +86,28 @@ class HeadTrainer:
         with torch.no_grad():
             return self.frozen[max(split, 0):](features)  # all-in-compute (-1) starts at 0
 
-    def train_step(self, features: torch.Tensor, labels: torch.Tensor, split: int) -> float:
-        """One optimiser step on exactly this batch, cut at ``split``; returns its mean loss."""
+    def train_step(self, features: torch.Tensor, labels: torch.Tensor, split: int, batch_samples: int = 0) -> float:
+        """One optimiser step on exactly this batch, cut at ``split``; returns its mean loss.
+
+        ``batch_samples``: the global batch's size when this is one rank's slice of it (which
+        may be empty: the rank still takes part in the step).
+        """
         # BatchNorm cannot take batch statistics of one sample; such a (last, partial)
         # batch still trains, on the running statistics.
-        self.trainable.train(len(labels) > 1)
+        self.trainable.train((batch_samples or len(labels)) > 1)
         features, labels = self._on_device(features, labels)
         with self._autocast():
-            logits = self.trainable(self._frozen_forward(features, split))
-            loss = self.loss_fn(logits.float(), labels)
+            trained = self._ddp if self._ddp is not None else self.trainable
+            logits = trained(self._frozen_forward(features, split)).float()
+            if batch_samples:  # DDP averages the ranks' gradients: this makes it the batch's mean
+                summed = nn.functional.cross_entropy(logits, labels, reduction="sum")
+                loss = summed * (self.world_size / batch_samples)
+            else:
+                loss = self.loss_fn(logits, labels)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
-        return loss.item()
+        return (summed.item() / max(len(labels), 1)) if batch_samples else loss.item()
 
     @torch.no_grad()
     def evaluate_batch(self, features: torch.Tensor, labels: torch.Tensor, split: int) -> tuple[float, int]:

@@ -102,6 +102,7 @@ class Settings:
     cache: str  # "fresh" or "warm"
     out: Path
     keep_jobs: Path | None = None  # where each job's output and metrics.jsonl are kept
+    uncached: bool = False  # multi-epoch cases also run auto without the feature cache
 
     def samples_for(self, epochs: int) -> int:
         return self.samples if epochs == 1 else self.samples_multi
@@ -126,12 +127,14 @@ class Variant:
     kind: str  # "hapi" or "peer"
     mode: str  # hapi: auto, freeze, all-in-compute or a split index; peer: its DataLoader workers
     split: int | None = None  # the split a HAPI mode trains at (None: auto, or the peer)
+    uncached: bool = False  # a HAPI mode without the feature cache (--feature-cache 0)
 
     @property
     def label(self) -> str:
         if self.kind == "peer":
             return f"peer w{self.mode}"
-        return f"split {self.mode}" if self.mode.isdigit() else self.mode
+        mode = f"split {self.mode}" if self.mode.isdigit() else self.mode
+        return f"{mode}, no cache" if self.uncached else mode
 
     @property
     def fixed(self) -> bool:
@@ -222,10 +225,11 @@ def model_facts(name: str, image_size: int, most: int, jpeg_bytes: float) -> Mod
     return ModelFacts(freeze, fixed, sizes)
 
 
-def variants_of(facts: ModelFacts, workers: Sequence[int]) -> tuple[list[Variant], list[Variant]]:
+def variants_of(facts: ModelFacts, workers: Sequence[int], uncached: bool = False) -> tuple[list[Variant],
+                                                                                          list[Variant]]:
     """(the modes every case reports, HAPI and the peer alternating; the fixed splits)."""
     hapi = [Variant("hapi", "auto"), Variant("hapi", "freeze", facts.freeze),
-            Variant("hapi", "all-in-compute", ALL_IN_COMPUTE)]
+            Variant("hapi", "all-in-compute", ALL_IN_COMPUTE)] + [Variant("hapi", "auto", uncached=True)] * uncached
     peers = [Variant("peer", str(w)) for w in workers]
     headline = [v for pair in zip(hapi, peers) for v in pair] + hapi[len(peers):] + peers[len(hapi):]
     return headline, [Variant("hapi", str(s), s) for s in facts.fixed]
@@ -256,7 +260,8 @@ class Harness:
         if variant.kind == "peer":
             return [sys.executable, "-m", "experiments.peer_s3torch", *common, "--workers", variant.mode]
         return [sys.executable, "-m", "hapi.train", *common, "--split", variant.mode,
-                "--storage-node", self.nodes[case.samples], "--cache-dir", str(self.cache_dir(case.model))]
+                "--storage-node", self.nodes[case.samples], "--cache-dir", str(self.cache_dir(case.model)),
+                *(["--feature-cache", "0"] if variant.uncached else [])]
 
     def cache_dir(self, model: str) -> Path:
         if self.settings.cache == "warm":
@@ -354,7 +359,7 @@ def trained_split(output_dir: Path, text: str) -> int | None:
 def run_case(harness: Harness, case: Case, facts: ModelFacts, bar: tqdm) -> list[Run]:
     """Every variant of ``case``, ``repeats`` times, interleaved; then auto's split if unmeasured."""
     settings = harness.settings
-    headline, fixed = variants_of(facts, settings.workers)
+    headline, fixed = variants_of(facts, settings.workers, settings.uncached and case.epochs > 1)
     # The link alone takes bytes / bandwidth: a bound no job at that split can beat.
     bound_s = {v.label: facts.bytes_per_sample[v.split] * case.samples * case.epochs * 8 / (case.bandwidth * 1e6)
                for v in fixed}
@@ -432,7 +437,8 @@ def label_of(split: int, freeze: int) -> str:
 
 TABLE_HEADERS = ("model", "Mbit/s", "job", "auto s", "freeze s", "all-in-compute s", "best fixed s",
                  "peer s", "auto/best", "auto/peer", "freeze/peer", "aic/peer", "fixed/peer",
-                 "auto MB", "auto trained", "its batches MB", "auto within 5%", "traffic <= its batches'")
+                 "auto MB", "auto trained", "its batches MB", "auto within 5%", "traffic <= its batches'",
+                 "auto, no cache s", "auto, no cache MB")
 
 
 def table_rows(verdicts: Sequence[Verdict]) -> list[list[str]]:
@@ -459,6 +465,8 @@ def table_rows(verdicts: Sequence[Verdict]) -> list[list[str]]:
             f"{v.auto_payload_mb:.1f}" if v.auto_payload_mb is not None else "-",
             "yes" if v.within else "NO",
             {True: "yes", False: "NO", None: "n/a"}[v.traffic_ok],
+            seconds("auto, no cache"),
+            f"{v.link_mb['auto, no cache']:.1f}" if "auto, no cache" in v.link_mb else "-",
         ])
     return rows
 
@@ -588,6 +596,8 @@ def parse_args(argv: list[str] | None = None) -> Settings:
                    help="smoke run: resnet18 at 25 Mbit/s, 64 samples (2 epochs of 32), workers 0,2, 2 fixed splits")
     p.add_argument("--out", type=Path)
     p.add_argument("--keep-jobs", type=Path, help="keep each job's output and metrics.jsonl under this folder")
+    p.add_argument("--uncached", action="store_true",
+                   help="multi-epoch cases also run auto without its feature cache (--feature-cache 0)")
     args = p.parse_args(argv)
     if args.quick:  # explicit flags still win over the quick sizes
         defaults = vars(p.parse_args([]))
@@ -603,7 +613,7 @@ def parse_args(argv: list[str] | None = None) -> Settings:
         workers=tuple(int(w) for w in args.workers.split(",")), image_size=args.image_size,
         batch_size=args.batch_size, val_per_class=args.val_per_class, max_fixed=args.max_fixed,
         give_up=args.give_up, cache=args.cache, out=args.out or (RESULTS / "quick" if args.quick else RESULTS),
-        keep_jobs=args.keep_jobs)
+        keep_jobs=args.keep_jobs, uncached=args.uncached)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,12 @@
                 logits = pipeline.head(pipeline.frozen(batch.features, batch.split))
                 ...
 
+Under ``torchrun`` (after ``compute_side.distributed.join``), each rank's pipeline gives
+it its slice of every global batch, and the splits rank 0's planner picks (see
+``compute_side.distributed``); ``batch_samples(step)`` is the global batch's size. Every
+rank gets the same number of training batches: where a last batch smaller than the world
+leaves a rank nothing, its batch is empty, and the rank still steps (DDP needs every rank).
+
 A ``Pipeline`` is what ``python -m hapi.train`` runs, without the training: the model
 with a new head for the data set's classes, the storage nodes (given, or a daemon started
 here next to the embedded default), the online planner steering a ``PipelinedLoader``
@@ -38,6 +44,8 @@ import torch
 from torch import nn
 
 from compute_side import deployment
+from compute_side.client import StorageClient
+from compute_side.distributed import Follower, Leader, World, rank_slice
 from compute_side.feature_cache import DEFAULT_MAX_BYTES, CacheScope, FeatureCache
 from compute_side.loader import Batch, PipelinedLoader, batches_of, epoch_order
 from compute_side.sources import Planned, Sources
@@ -129,11 +137,15 @@ class Pipeline:
     trains one head. Nothing is started until ``running``.
     """
 
-    def __init__(self, config: DataConfig) -> None:
-        self.config = config
+    def __init__(self, config: DataConfig, world: World | None = None) -> None:
+        self.config, self.world = config, world
         self.model = build_model(config.model, config.weights, config.image_size)
         self.fixed_split = None if config.split == "auto" else resolve_split(self.model, config.split)
-        self.store_url, self.manifest = deployment.open_dataset(self._deployment_args())
+        # Rank 0 makes the embedded data set, if needed, before the others read it.
+        opened = deployment.open_dataset(self._deployment_args()) if world is None or world.leader else None
+        if world is not None:
+            world.shared("dataset", lambda: "ready")
+        self.store_url, self.manifest = opened or deployment.open_dataset(self._deployment_args())
         self.train_samples: tuple[Sample, ...] = self.manifest.split("train")
         self.val_samples: tuple[Sample, ...] = self.manifest.split("val")
         torch.manual_seed(config.seed)  # the new head's init and any dropout: same seed, same run
@@ -145,9 +157,10 @@ class Pipeline:
         self.train_transform = replace(self.eval_transform, augment=config.augment)
         # Why training features are not cached, when the cache is on and they are not.
         self.cache_note = AUGMENT_NOTE if config.augment and config.feature_cache else None
-        self.planner: OnlinePlanner | None = None
-        self.split: int | None = None  # the first batch's split, once running
+        self.planner: OnlinePlanner | None = None  # rank 0's only, in a job of many ranks
+        self.split: int | None = None  # the first batch's split, once running (where known)
         self._loaders: tuple[PipelinedLoader, PipelinedLoader] | None = None
+        self._passes = 0  # passes over batches so far, counted alike on every rank
 
     def _deployment_args(self) -> argparse.Namespace:
         c = self.config
@@ -162,15 +175,23 @@ class Pipeline:
         the planner weighs what a move of the split costs against what it saves."""
         c = self.config
         with ExitStack() as stack:
-            clients = ([] if self.fixed_split == ALL_IN_COMPUTE else
-                       stack.enter_context(deployment.storage_nodes(self._deployment_args(), self.store_url)))
+            clients = [] if self.fixed_split == ALL_IN_COMPUTE else self._storage_nodes(stack)
+            job = f"train-{os.getpid()}"  # one job to the storage nodes, however many ranks
             template = ExtractRequest(keys=(), model=c.model, split=0, weights=self.model.weights_id,
-                                      transform=self.train_transform, dtype=c.dtype, job_id=f"train-{os.getpid()}")
+                                      transform=self.train_transform, dtype=c.dtype,
+                                      job_id=self.world.shared("job", lambda: job) if self.world else job)
             sources = Sources(clients, open_store(self.store_url, c.endpoint_url), template, self.eval_transform,
                               self.model)
-            if self.fixed_split is None:
+            if self.fixed_split is None and self.world is not None and not self.world.leader:
+                train_source, val_source = (Follower(sources, self.world, "train"),
+                                            Follower(sources, self.world, "val", True))
+            elif self.fixed_split is None:
                 self.planner = self._make_planner(epochs)
-                train_source, val_source = Planned(self.planner, sources), Planned(self.planner, sources, True)
+                if self.world is None:
+                    train_source, val_source = Planned(self.planner, sources), Planned(self.planner, sources, True)
+                else:
+                    train_source, val_source = (Leader(self.planner, sources, self.world, "train"),
+                                                Leader(self.planner, sources, self.world, "val", True))
                 self.split = self.planner.plan.parts[0].split
             else:
                 train_source, val_source = sources.build(self.fixed_split, c.dtype)
@@ -187,6 +208,17 @@ class Pipeline:
             finally:
                 self._loaders = None
 
+    def _storage_nodes(self, stack: ExitStack) -> list[StorageClient]:
+        """Clients of the storage nodes; in a job of many ranks, rank 0's (which may have
+        started the local daemon) reached by every rank."""
+        args = self._deployment_args()
+        if self.world is not None and not self.world.leader:
+            args.storage_node = self.world.shared("storage_nodes", str).split()
+        clients = stack.enter_context(deployment.storage_nodes(args, self.store_url))
+        if self.world is not None and self.world.leader:
+            self.world.shared("storage_nodes", lambda: " ".join(client.url for client in clients))
+        return clients
+
     def _make_planner(self, epochs: int) -> OnlinePlanner:
         """The online planner for ``epochs`` epochs, from this host's profile of the model
         (shipped, saved, or measured now on copies of the stages, touching nothing the run trains)."""
@@ -194,16 +226,19 @@ class Pipeline:
         crop = c.image_size or self.model.spec.input_size
         profile = host_profile(self.model, crop, c.cache_dir / "profiles", refresh=c.refresh_profile,
                                device=torch.device(c.device))
-        requests_per_batch = -(-c.batch_size // c.request_size)
+        # Rank 0 plans its own slices: the planner sees one rank's batches and samples.
+        ranks = self.world.size if self.world else 1
+        batch = -(-c.batch_size // ranks)
+        requests_per_batch = -(-batch // c.request_size)
         # After the first epoch the feature cache serves validation, and training too
         # unless augmentation draws new crops every epoch.
         later = (epochs - 1) * ((0 if c.augment else len(self.train_samples)) + len(self.val_samples))
         cached = later if c.feature_cache else 0
         sent = epochs * (len(self.train_samples) + len(self.val_samples)) - cached
-        return OnlinePlanner(profile, self.model.spec.freeze_index, c.batch_size, sent,
+        return OnlinePlanner(profile, self.model.spec.freeze_index, batch, -(-sent // ranks),
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
                              dtypes=c.dtypes or (c.dtype,), batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
-                             cached_samples=cached)
+                             cached_samples=-(-cached // ranks))
 
     def train(self, epoch: int, done: int = 0) -> Iterator[Batch]:
         """The training batches of ``epoch``, shuffled from (seed, epoch), after the first
@@ -217,16 +252,41 @@ class Pipeline:
         batches = batches_of(epoch_order(self.train_samples, epoch, self.config.seed), self.config.batch_size)
         if self.planner is not None:
             self.planner.restarted()
-        for batch in train_loader.epoch(batches[done:], epoch):
+        slices = self._slices(train_loader, batches[done:])
+        for batch in train_loader.epoch([piece for piece in slices if piece], epoch):
             handed = time.perf_counter()
             yield batch
             if self.planner is not None and not batch.cached:
                 self.planner.trained(len(batch.keys), batch.wait_s, time.perf_counter() - handed)
+        if slices and not slices[-1]:
+            yield self._empty_batch()
 
     def validation(self) -> Iterator[Batch]:
         """The validation batches, in the manifest's order, never augmented."""
         _, val_loader = self._running()
-        return val_loader.epoch(batches_of(self.val_samples, self.config.batch_size), epoch=0)
+        slices = self._slices(val_loader, batches_of(self.val_samples, self.config.batch_size))
+        return val_loader.epoch([piece for piece in slices if piece], 0)
+
+    def batch_samples(self, step: int) -> int:
+        """The size of training step ``step``'s global batch (of which this rank has a slice)."""
+        return min(self.config.batch_size, len(self.train_samples) - step * self.config.batch_size)
+
+    def _slices(self, loader: PipelinedLoader, batches: list[list[Sample]]) -> list[list[Sample]]:
+        """This rank's slice of each batch, for a new pass named alike on every rank. Only a
+        last batch smaller than the world leaves some ranks an empty slice."""
+        self._passes += 1
+        if isinstance(loader.steering, Leader | Follower):
+            loader.steering.decisions.begin(str(self._passes))
+        return [rank_slice(batch, self.world) for batch in batches]
+
+    def _empty_batch(self) -> Batch:
+        """A training step with no samples, at the freeze index: a rank whose slice of the
+        last batch is empty still takes part in the step's collectives (DDP's, BatchNorm's)."""
+        crop = self.config.image_size or self.model.spec.input_size
+        with torch.no_grad():  # one sample's shape at the freeze index, from a blank image
+            shape = self.frozen(torch.zeros(1, 3, crop, crop), 0).shape[1:]
+        return Batch(torch.zeros(0, *shape), torch.zeros(0, dtype=torch.long), (), self.model.spec.freeze_index,
+                     "float32", 0, 0, 0, 0.0, 0.0)
 
     def _running(self) -> tuple[PipelinedLoader, PipelinedLoader]:
         if self._loaders is None:

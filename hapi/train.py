@@ -8,6 +8,11 @@ the baseline without pushdown: raw objects fetched and run through the whole mod
 
 It is one user of ``hapi.data``'s ``Pipeline``, as a user's own training loop is: the
 pipeline gives the batches, this script trains, validates, checkpoints and reports.
+
+``torchrun --nproc-per-node N -m hapi.train ...`` trains one job on N ranks with
+DistributedDataParallel (gloo on the CPU, NCCL on GPUs): each rank trains its slice of
+every global batch (``--batch-size``), rank 0 plans the split for all and checkpoints, and
+each rank logs its own steps in ``metrics.rank<R>.jsonl``.
 """
 
 from __future__ import annotations
@@ -27,8 +32,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from compute_side import deployment
+from compute_side import deployment, distributed
 from compute_side.client import StorageNodeError
+from compute_side.distributed import World
 from compute_side.feature_cache import parse_size
 from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
 from hapi.data import DEFAULT_DEPTH, DataConfig, Pipeline, default_cache_dir
@@ -161,10 +167,13 @@ class Checkpoints:
     A checkpoint holds the epoch to continue and how many of its batches are done: the
     epoch's order comes back from (seed, epoch), so a resumed run trains exactly the
     batches that were not, and the RNG state, so a head with dropout draws the same masks.
+
+    In a job of many ranks, rank 0 saves, and a SIGTERM to any rank stops them all at the
+    same step (torchrun sends it to each, and each may see it at a different step).
     """
 
-    def __init__(self, path: Path, setup: dict, trainer: HeadTrainer, every: int) -> None:
-        self.path, self.setup, self.trainer, self.every = path, setup, trainer, every
+    def __init__(self, path: Path, setup: dict, trainer: HeadTrainer, every: int, world: World | None = None) -> None:
+        self.path, self.setup, self.trainer, self.every, self.world = path, setup, trainer, every, world
         self.terminated = False
 
     @contextmanager
@@ -182,16 +191,26 @@ class Checkpoints:
         """After each step; the epoch's last one is checkpointed with the epoch, after validation."""
         if last:
             return
-        if self.terminated or (self.every and batches_done % self.every == 0):
+        terminated = self._terminated()
+        if terminated or (self.every and batches_done % self.every == 0):
             self.save(epoch, batches_done)
-        self.stop_if_terminated(epoch, batches_done)
+        if terminated:
+            self._stop(epoch, batches_done)
 
     def stop_if_terminated(self, epoch: int, batches_done: int) -> None:
-        if self.terminated:
-            raise Stopped(f"terminated: checkpoint saved after {batches_done} batches of epoch {epoch + 1}; "
-                          f"continue with --resume {self.path}")
+        if self._terminated():
+            self._stop(epoch, batches_done)
+
+    def _terminated(self) -> bool:
+        return self.world.any(self.terminated) if self.world is not None else self.terminated
+
+    def _stop(self, epoch: int, batches_done: int) -> None:
+        raise Stopped(f"terminated: checkpoint saved after {batches_done} batches of epoch {epoch + 1}; "
+                      f"continue with --resume {self.path}")
 
     def save(self, epoch: int, batches_done: int) -> None:
+        if self.world is not None and not self.world.leader:
+            return
         state = {"epoch": epoch, "batches_done": batches_done, "setup": self.setup,
                  "trainer": self.trainer.state_dict(), "rng": torch.get_rng_state()}
         # Written aside and renamed: a kill mid-save leaves the previous checkpoint whole.
@@ -204,16 +223,18 @@ def train_one_epoch(trainer: HeadTrainer, data: Pipeline, epoch: int, args: argp
                     checkpoints: Checkpoints | None = None, done: int = 0) -> Totals:
     """Trains the epoch's batches after the first ``done`` (trained by an earlier attempt);
     the totals count this attempt's steps only."""
-    planner, samples = data.planner, data.train_samples
+    planner, samples, world = data.planner, data.train_samples, data.world
     batches = -(-len(samples) // args.batch_size)
     announced = len(planner.switches) if planner else 0
     totals = Totals()
     started = time.perf_counter()
     with tqdm(total=len(samples), initial=min(done * args.batch_size, len(samples)),
-              desc=f"epoch {epoch + 1}/{args.epochs}", unit="img", leave=False) as bar:
+              desc=f"epoch {epoch + 1}/{args.epochs}", unit="img", leave=False,
+              disable=world is not None and not world.leader) as bar:
         for step, batch in enumerate(data.train(epoch, done), start=done):
             step_started = time.perf_counter()
-            loss = trainer.train_step(batch.features, batch.labels, batch.split)
+            loss = trainer.train_step(batch.features, batch.labels, batch.split,
+                                      data.batch_samples(step) if world else 0)
             compute_s = time.perf_counter() - step_started
             n = len(batch.keys)
             totals.add(Totals(n, loss * n, 0, batch.wire_bytes, batch.raw_bytes, batch.wait_s, compute_s))
@@ -227,7 +248,7 @@ def train_one_epoch(trainer: HeadTrainer, data: Pipeline, epoch: int, args: argp
                     metrics.write({"switch": {"at_sample": sent, "why": why, "plan": plan.label,
                                               "parts": [asdict(c) for c in plan.parts], "shares": plan.shares}})
                 announced = len(planner.switches)
-            bar.update(n)
+            bar.update(data.batch_samples(step))
             bar.set_postfix(loss=f"{loss:.3f}")
             if checkpoints is not None:
                 checkpoints.step_done(epoch, step + 1, last=step + 1 == batches)
@@ -238,13 +259,24 @@ def train_one_epoch(trainer: HeadTrainer, data: Pipeline, epoch: int, args: argp
 def evaluate(trainer: HeadTrainer, data: Pipeline) -> Totals:
     totals = Totals()
     started = time.perf_counter()
-    with tqdm(total=len(data.val_samples), desc="validate", unit="img", leave=False) as bar:
+    with tqdm(total=len(data.val_samples), desc="validate", unit="img", leave=False,
+              disable=data.world is not None and not data.world.leader) as bar:
         for batch in data.validation():
             loss_sum, correct = trainer.evaluate_batch(batch.features, batch.labels, batch.split)
             totals.add(Totals(len(batch.keys), loss_sum, correct, batch.wire_bytes, batch.raw_bytes, batch.wait_s))
             bar.update(len(batch.keys))
     totals.seconds = time.perf_counter() - started
     return totals
+
+
+def job_totals(totals: Totals, world: World | None) -> Totals:
+    """The whole job's totals from each rank's: sums, over the slowest rank's seconds."""
+    if world is None:
+        return totals
+    summed = Totals(*world.sum([getattr(totals, name) for name in Totals.__dataclass_fields__]))
+    summed.samples, summed.correct = int(summed.samples), int(summed.correct)
+    summed.seconds = world.max(totals.seconds)
+    return summed
 
 
 def load_checkpoint(path: Path, expected: dict) -> dict:
@@ -261,10 +293,21 @@ def load_checkpoint(path: Path, expected: dict) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     args.device = resolve_device(args.device)  # checked before anything is built or read
-    data = Pipeline(DataConfig.from_args(args))  # the model with its new head, the data set; nothing started
+    world = distributed.join(args.device)
+    try:
+        return run_job(args, world)
+    finally:
+        distributed.leave(world)
+
+
+def run_job(args: argparse.Namespace, world: World | None) -> int:
+    if world is not None and args.device.startswith("cuda"):
+        args.device = f"cuda:{torch.cuda.current_device()}"  # this rank's own GPU
+    say = print if world is None or world.leader else (lambda *_: None)
+    data = Pipeline(DataConfig.from_args(args), world)  # the model with its new head, the data set; nothing started
     model, manifest = data.model, data.manifest
-    trainer = HeadTrainer(model, TrainConfig(optimizer=args.optimizer, lr=args.lr,
-                                             device=args.device))
+    trainer = HeadTrainer(model, TrainConfig(optimizer=args.optimizer, lr=args.lr, device=args.device),
+                          distributed=world is not None)
     # The split is not part of it: where features were computed never changes what is learned.
     setup = {"model": args.model, "weights": model.weights_id, "classes": len(manifest.classes),
              "batch_size": args.batch_size, "seed": args.seed}
@@ -277,13 +320,15 @@ def main(args: argparse.Namespace) -> int:
         if "rng" in checkpoint:
             torch.set_rng_state(checkpoint["rng"])
         resumed_from = {"epoch": start_epoch, "batches_done": done}
+    def new_run_dir() -> str:
+        return str(args.cache_dir / "runs" / f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
     run_dir = args.output_dir or (args.resume.parent if args.resume else
-                                  args.cache_dir / "runs" / f"{args.model}-{time.strftime('%Y%m%d-%H%M%S')}")
+                                  Path(world.shared("run_dir", new_run_dir) if world else new_run_dir()))
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    attempt = last_attempt(run_dir / "metrics.jsonl") + 1
-    metrics = MetricsLog(run_dir / "metrics.jsonl", attempt, resumed_from)
-    checkpoints = Checkpoints(run_dir / "checkpoint.pt", setup, trainer, args.checkpoint_every)
+    metrics_path = run_dir / (f"metrics.rank{world.rank}.jsonl" if world else "metrics.jsonl")
+    metrics = MetricsLog(metrics_path, last_attempt(metrics_path) + 1, resumed_from)
+    checkpoints = Checkpoints(run_dir / "checkpoint.pt", setup, trainer, args.checkpoint_every, world)
     total = Totals()
     val = Totals()
     with ExitStack() as stack:
@@ -291,29 +336,31 @@ def main(args: argparse.Namespace) -> int:
         stack.enter_context(checkpoints.catching_sigterm())
         stack.enter_context(data.running(epochs=args.epochs - start_epoch))
         if data.planner is not None:
-            print(f"planner: starting at {describe_split(model, data.split)}, the safest while the link is "
-                  "unmeasured; the run measures itself from its first batch on and moves when a move pays")
+            say(f"planner: starting at {describe_split(model, data.split)}, the safest while the link is "
+                "unmeasured; the run measures itself from its first batch on and moves when a move pays")
         if data.cache_note:
-            print(data.cache_note)
-        print(f"HAPI: {args.model}, {describe_split(model, data.split)} (freeze index {model.spec.freeze_index}); "
-              f"data set {manifest.name!r} at {data.store_url}; run in {run_dir}")
+            say(data.cache_note)
+        ranks = f", {world.size} ranks" if world else ""
+        say(f"HAPI: {args.model}, {describe_split(model, data.split)} (freeze index {model.spec.freeze_index}); "
+            f"data set {manifest.name!r} at {data.store_url}; run in {run_dir}{ranks}")
 
         for epoch in range(start_epoch, args.epochs):
             stats = train_one_epoch(trainer, data, epoch, args, metrics, checkpoints,
                                     done if epoch == start_epoch else 0)
-            val = evaluate(trainer, data)
+            val = job_totals(evaluate(trainer, data), world)
             checkpoints.save(epoch + 1, 0)
             metrics.write({"epoch": epoch, "train": asdict(stats), "val": asdict(val)})
-            print(f"epoch {epoch + 1}: train loss {stats.loss_sum / stats.samples:.4f}, "
-                  f"{stats.samples / stats.seconds:.1f} samples/s | "
-                  f"val loss {val.loss_sum / val.samples:.4f}, accuracy {val.correct / val.samples:.3f}")
+            stats = job_totals(stats, world)
+            say(f"epoch {epoch + 1}: train loss {stats.loss_sum / stats.samples:.4f}, "
+                f"{stats.samples / stats.seconds:.1f} samples/s | "
+                f"val loss {val.loss_sum / val.samples:.4f}, accuracy {val.correct / val.samples:.3f}")
             total.add(stats)
             if epoch + 1 < args.epochs:  # a SIGTERM in the last validation stops nothing left to do
                 checkpoints.stop_if_terminated(epoch + 1, 0)
         if data.planner is not None and args.explain:
-            print(data.planner.explain(model.stage_names))
+            say(data.planner.explain(model.stage_names))
     if total.samples:
-        print(report(total, val))
+        say(report(total, val))
     return 0
 
 

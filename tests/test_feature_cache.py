@@ -111,7 +111,7 @@ class CountingSteering:
     settled = True
 
     def __init__(self) -> None:
-        self.picks, self.arrivals = 0, 0
+        self.picks, self.arrivals, self.cached_batches = 0, 0, 0
 
     def pick(self, samples: int):
         self.picks += 1
@@ -119,6 +119,9 @@ class CountingSteering:
 
     def arrived(self, part: Part, samples: int) -> None:
         self.arrivals += 1
+
+    def cached(self, samples: int) -> None:
+        self.cached_batches += 1
 
     def fetch(self, samples, epoch: int) -> Part:
         return _part(list(samples))
@@ -132,6 +135,7 @@ def test_the_second_epoch_neither_picks_nor_fetches_nor_teaches_the_planner(dept
     assert steering.picks == 3 and steering.arrivals == 8 and not any(b.cached for b in first)
     second = list(loader.epoch(batches_of(epoch_order(samples, 1, seed=1), 8), 1))
     assert steering.picks == 3 and steering.arrivals == 8  # nothing sent, nothing heard
+    assert steering.cached_batches == 3  # but told of each batch the cache served, in order
     assert all(b.cached and b.wire_bytes == 0 and b.requests == 0 for b in second)
     assert [k for b in second for k in b.keys] == [s.key for s in epoch_order(samples, 1, seed=1)]
     assert all(b.features[:, 0].tolist() == [int(k[6:10]) for k in b.keys] for b in second)

@@ -125,6 +125,9 @@ class SwitchingSteering:
             self.sent_when_settled = len({id(r) for r in self.a.requests + self.b.requests})
         self.settled = True
 
+    def cached(self, samples: int) -> None:
+        pass
+
 
 def test_switching_source_mid_epoch_keeps_every_sample_once_and_batches_whole() -> None:
     samples = epoch_order(_plain(60), epoch=0, seed=1)
