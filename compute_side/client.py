@@ -181,6 +181,10 @@ class StorageClient:
             return False
         return response.ok
 
+    def capacity(self) -> dict:
+        """What the node runs at once: its cores, compute slots, decoders, device (``GET /v1/models``)."""
+        return self._json("GET", "/v1/models")["node"]
+
     def profile(self, request: ProfileRequest) -> dict:
         """The node's own timings of each frozen stage (``POST /v1/profile``)."""
         return self._json("POST", "/v1/profile", json=request.to_json())

@@ -115,8 +115,9 @@ class FeatureCache:
                 if self.bytes + row.nbytes > self.max_bytes:
                     self._warn_full_once()
                     continue
-                # A copy: a view would keep the whole request's tensor alive for one row.
-                entry = _Entry(sample.size, part.split, part.dtype, row.nbytes, row.clone())
+                # A copy, in host memory (what the budget bounds): a view would keep the whole
+                # request's tensor alive for one row, and a row on a GPU would hold its memory.
+                entry = _Entry(sample.size, part.split, part.dtype, row.nbytes, row.to("cpu", copy=True))
                 if self.directory is not None:
                     entry = self._write(scope, sample.key, entry)
                 self._entries[(scope, sample.key)] = entry

@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from compute_side import deployment
-from compute_side.client import StorageClient
+from compute_side.client import StorageClient, StorageNodeError
+from compute_side.device_feed import to_device
 from compute_side.distributed import Follower, Leader, World, rank_slice
 from compute_side.feature_cache import DEFAULT_MAX_BYTES, CacheScope, FeatureCache
 from compute_side.loader import Batch, PipelinedLoader, batches_of, epoch_order
@@ -55,7 +56,7 @@ from hapi.models import StagedModel, build_model
 from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner
 from hapi.store import open_store
 from hapi.transforms import TransformSpec
-from hapi.wire import ExtractRequest
+from hapi.wire import ExtractRequest, wire_dtype_allowed
 
 DEFAULT_DEPTH = 4  # requests in flight; see the overlap benchmark in experiments/overlap.py
 
@@ -141,6 +142,8 @@ class Pipeline:
         self.config, self.world = config, world
         self.model = build_model(config.model, config.weights, config.image_size)
         self.fixed_split = None if config.split == "auto" else resolve_split(self.model, config.split)
+        if self.fixed_split not in (None, ALL_IN_COMPUTE) and not wire_dtype_allowed(config.dtype, self.fixed_split):
+            raise ValueError(f"--dtype {config.dtype} ships decoded images: only with --split 0")
         # Rank 0 makes the embedded data set, if needed, before the others read it.
         opened = deployment.open_dataset(self._deployment_args()) if world is None or world.leader else None
         if world is not None:
@@ -181,12 +184,12 @@ class Pipeline:
                                       transform=self.train_transform, dtype=c.dtype,
                                       job_id=self.world.shared("job", lambda: job) if self.world else job)
             sources = Sources(clients, open_store(self.store_url, c.endpoint_url), template, self.eval_transform,
-                              self.model)
+                              self.model, decode_device=c.device)
             if self.fixed_split is None and self.world is not None and not self.world.leader:
                 train_source, val_source = (Follower(sources, self.world, "train"),
                                             Follower(sources, self.world, "val", True))
             elif self.fixed_split is None:
-                self.planner = self._make_planner(epochs)
+                self.planner = self._make_planner(epochs, clients)
                 if self.world is None:
                     train_source, val_source = Planned(self.planner, sources), Planned(self.planner, sources, True)
                 else:
@@ -219,7 +222,7 @@ class Pipeline:
             self.world.shared("storage_nodes", lambda: " ".join(client.url for client in clients))
         return clients
 
-    def _make_planner(self, epochs: int) -> OnlinePlanner:
+    def _make_planner(self, epochs: int, clients: list[StorageClient]) -> OnlinePlanner:
         """The online planner for ``epochs`` epochs, from this host's profile of the model
         (shipped, saved, or measured now on copies of the stages, touching nothing the run trains)."""
         c = self.config
@@ -236,6 +239,7 @@ class Pipeline:
         cached = later if c.feature_cache else 0
         sent = epochs * (len(self.train_samples) + len(self.val_samples)) - cached
         return OnlinePlanner(profile, self.model.spec.freeze_index, batch, -(-sent // ranks),
+                             node_passes=node_passes(clients, max(c.depth, 1)),
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
                              dtypes=c.dtypes or (c.dtype,), batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
                              cached_samples=-(-cached // ranks))
@@ -253,7 +257,7 @@ class Pipeline:
         if self.planner is not None:
             self.planner.restarted()
         slices = self._slices(train_loader, batches[done:])
-        for batch in train_loader.epoch([piece for piece in slices if piece], epoch):
+        for batch in to_device(train_loader.epoch([piece for piece in slices if piece], epoch), self.config.device):
             handed = time.perf_counter()
             yield batch
             if self.planner is not None and not batch.cached:
@@ -265,7 +269,7 @@ class Pipeline:
         """The validation batches, in the manifest's order, never augmented."""
         _, val_loader = self._running()
         slices = self._slices(val_loader, batches_of(self.val_samples, self.config.batch_size))
-        return val_loader.epoch([piece for piece in slices if piece], 0)
+        return to_device(val_loader.epoch([piece for piece in slices if piece], 0), self.config.device)
 
     def batch_samples(self, step: int) -> int:
         """The size of training step ``step``'s global batch (of which this rank has a slice)."""
@@ -292,6 +296,20 @@ class Pipeline:
         if self._loaders is None:
             raise RuntimeError("the pipeline's batches come only inside `with pipeline.running():`")
         return self._loaders
+
+
+def node_passes(clients: list[StorageClient], in_flight: int) -> int:
+    """How many of ``in_flight`` requests, spread round-robin, the nodes run at once: each
+    node as many as it has compute slots (as it reports them; one where it does not say)."""
+    per_node = -(-in_flight // max(len(clients), 1))
+    passes = 0
+    for client in clients:
+        try:
+            slots = int(client.capacity().get("compute_slots", 1))
+        except StorageNodeError:  # a node that cannot say is priced as running one at a time
+            slots = 1
+        passes += min(slots, per_node)
+    return max(1, min(passes, in_flight))
 
 
 def resolve_split(model: StagedModel, value: str) -> int:

@@ -13,7 +13,7 @@ run exceeds what the move costs.
 The cost model, per sample (a candidate is a split s, stages [0, s) on the storage node,
 or all-in-compute, which ships the raw objects):
 
-    storage(s)  = node_fixed + node_scale x forward[0, s) + node_unseen
+    storage(s)  = (node_fixed + node_scale x forward[0, s)) / node_passes + node_unseen
     transfer(s) = bytes of stage s-1's output / bandwidth        (all-in-compute: the objects)
     compute(s)  = compute_scale x (forward[s, freeze) + train)    (all-in-compute: + decode)
     pace(s)     = max(storage, transfer, compute)
@@ -26,7 +26,10 @@ learned from the replies. In steady state the pace is the real cost of the slowe
 so what a run measures beyond the model's bottleneck is charged to that tier: to the node
 as a cost per sample its timings leave out (``node_unseen``: the store's CPU beside it,
 HTTP), to this tier as a factor on its profiled work (``compute_scale``: the loader's
-threads and the GIL beside the training step).
+threads and the GIL beside the training step). A request's node time is its own wall
+time, so the nodes' pace divides it by ``node_passes``: how many of the run's requests in
+flight the nodes run at once, from the compute slots each node reports (its forward passes
+at once; where they share the node's cores, each request's measured time already shows it).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Conditions:
     node_scale: float = 1.0  # the node's forward time per stage in the run / its profile
     node_fixed_ms: float | None = None  # the node's work per sample beside the prefix; None: this host's decode
     node_unseen_ms: float = 0.0  # per sample, the node's cost its timings leave out
+    node_passes: int = 1  # the run's requests the nodes run at once (their compute slots, within those in flight)
     compute_scale: float = 1.0  # this tier's cost in training / its profile
 
 
@@ -117,7 +121,8 @@ def price(profile: HostProfile, freeze: int, conditions: Conditions, split: int,
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
         fixed = profile.decode_ms if conditions.node_fixed_ms is None else conditions.node_fixed_ms
         node_forward = conditions.node_forward_ms or forward
-        storage_ms = fixed + conditions.node_scale * sum(node_forward[:split]) + conditions.node_unseen_ms
+        per_request_ms = fixed + conditions.node_scale * sum(node_forward[:split])
+        storage_ms = per_request_ms / conditions.node_passes + conditions.node_unseen_ms
     compute_ms = conditions.compute_scale * work_ms
     transfer_ms = per_sample / bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
@@ -267,16 +272,18 @@ class OnlinePlanner:
     def __init__(self, profile: HostProfile, freeze: int, batch_size: int, run_samples: int, raw_bytes: float,
                  dtypes: tuple[str, ...] = ("float32",), batches_in_flight: int = 1,
                  compute_memory_budget: float = math.inf, node_profile: HostProfile | None = None,
-                 cached_samples: int = 0) -> None:
+                 cached_samples: int = 0, node_passes: int = 1) -> None:
         """``profile``: this host's; ``node_profile``: the storage node's, where known (else
         the node is priced as this host until its replies say otherwise); ``run_samples``:
         the samples the run will send; ``cached_samples``: those of later epochs that a
-        feature cache will serve instead (they cost this tier's work on them alone)."""
+        feature cache will serve instead (they cost this tier's work on them alone);
+        ``node_passes``: the run's requests the nodes run at once."""
         self.profile, self.freeze, self.batch_size = profile, freeze, batch_size
         self.dtypes, self.memory_budget = dtypes, compute_memory_budget
         self.batches_in_flight = batches_in_flight
-        self.conditions = Conditions(raw_bytes) if node_profile is None else Conditions(
-            raw_bytes, node_forward_ms=node_profile.forward_ms, node_fixed_ms=node_profile.decode_ms)
+        self.conditions = Conditions(raw_bytes, node_passes=node_passes) if node_profile is None else Conditions(
+            raw_bytes, node_forward_ms=node_profile.forward_ms, node_fixed_ms=node_profile.decode_ms,
+            node_passes=node_passes)
         self.run_samples = run_samples  # validation included
         self.remaining = run_samples  # samples the run has yet to send
         self.cached_samples = cached_samples

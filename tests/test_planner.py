@@ -310,3 +310,14 @@ def test_when_a_feature_cache_serves_later_epochs_the_deepest_split_pays_for_its
     # work on the cached features: nothing after the freeze index beats the freeze index.
     cached = settled(9_000)
     assert len(cached.parts) == 1 and cached.parts[0].split == FREEZE
+
+
+def test_a_node_running_several_of_the_run_s_requests_at_once_serves_them_that_much_faster() -> None:
+    slow_node = {"node_scale": 20.0, "node_fixed_ms": 40.0}
+    one, eight = (price(PROFILE, FREEZE, at(1e10, **slow_node, node_passes=n), FREEZE, "float32", BATCH)
+                  for n in (1, 8))
+    assert eight.storage_ms == pytest.approx(one.storage_ms / 8)
+    # One request at a time, the slow node loses to decoding here; 32 at once, it takes the
+    # first two stages, where its pace and this tier's meet: (40 + 2 x 20) / 32 = 2 + 0.5 ms.
+    assert best(at(1e10, **slow_node)) == (ALL_IN_COMPUTE, "float32")
+    assert best(at(1e10, **slow_node, node_passes=32)) == (2, "float32")

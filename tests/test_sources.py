@@ -12,6 +12,7 @@ import torch
 from compute_side.client import HEDGE_FLOOR_S, PROBE_TIMEOUT_S, StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
 from compute_side.sources import LocalPrefix, PushdownSource, RawObjectSource, Sources
+from hapi.data import node_passes
 from hapi.datasets import Sample, make_synthetic
 from hapi.models import build_model
 from hapi.store import FileStore
@@ -174,3 +175,12 @@ def test_no_node_answers_computes_the_same_features_here(data, node, caplog) -> 
     assert parts[0].wire_bytes == sum(s.size for s in samples[:3])  # raw objects crossed the network
     half = PushdownSource([_dead()], replace(_template(), dtype="bfloat16"), fallback).fetch(samples[:3], epoch=0)
     assert half.features.dtype == torch.bfloat16 and half.dtype == "bfloat16"
+
+
+def test_the_nodes_run_as_many_requests_at_once_as_their_compute_slots_allow_within_those_in_flight(node) -> None:
+    slots = node.capacity()["compute_slots"]
+    assert slots >= 1
+    assert node_passes([node], 4) == min(slots, 4)
+    assert node_passes([node], 1) == 1
+    # Requests go round-robin: two of four to each node; a node that cannot say runs one.
+    assert node_passes([node, _dead()], 4) == min(slots, 2) + 1

@@ -50,6 +50,8 @@ def test_split_zero_ships_decoded_images(cache_dir, capsys) -> None:
     (["--model", "resnet18", "--split", "12"], "error: split 12 out of range for resnet18: 0..11"),
     (["--model", "resnet18", "--store", "file:///nonexistent/hapi"], "error: no data set at file:///nonexistent/hapi"),
     (["--model", "resnet18", "--store", "ftp://x"], "error: store URL 'ftp://x'"),
+    (["--model", "resnet18", "--split", "4", "--dtype", "uint8"],
+     "error: --dtype uint8 ships decoded images: only with --split 0"),
 ])
 def test_bad_input_is_one_line(cache_dir, capsys, args, message) -> None:
     assert cli([*args, "--cache-dir", str(cache_dir)]) == 1
