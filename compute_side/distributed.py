@@ -30,6 +30,7 @@ from torch import nn
 
 from compute_side.sources import FeatureSource, Part, Planned, Sources
 from hapi.datasets import Sample
+from hapi.planner import OnlinePlanner
 
 T = TypeVar("T")
 
@@ -139,7 +140,8 @@ class Leader(Planned):
     candidate), as another rank may not hold that batch's slice.
     """
 
-    def __init__(self, planner, sources: Sources, world: World, name: str, validation: bool = False) -> None:
+    def __init__(self, planner: OnlinePlanner, sources: Sources, world: World, name: str,
+                 validation: bool = False) -> None:
         super().__init__(planner, sources, validation)
         self.decisions = Decisions(world.store, name)
 
