@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -37,6 +38,7 @@ T = TypeVar("T")
 # How long a rank waits for rank 0 to publish something: rank 0 may itself wait this long
 # for a slow storage node; a dead rank 0 ends the job through torchrun before then.
 WAIT = timedelta(minutes=30)
+POLL_S = 0.005  # how often a waiting request looks for rank 0's decision
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,13 @@ def join(device: str) -> World | None:
     return World(dist.get_rank(), dist.get_world_size(), dist.PrefixStore(prefix, store))
 
 
-def leave(world: World | None) -> None:
+def leave(world: World | None, together: bool = True) -> None:
+    """Leaves the group: ``together`` (a run that ended well) after every rank is done, so no
+    rank stops a storage daemon another still reads from; else at once, so that torchrun sees
+    this rank fail and stops the others rather than leaving them waiting in a collective."""
     if world is not None:
-        dist.barrier()  # no rank stops a storage daemon another still reads from
+        if together:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -145,6 +151,12 @@ class Leader(Planned):
         super().__init__(planner, sources, validation)
         self.decisions = Decisions(world.store, name)
 
+    def begin(self, pass_id: str) -> None:
+        self.decisions.begin(pass_id)
+
+    def close(self) -> None:
+        pass
+
     def pick(self, samples: int) -> FeatureSource:
         candidate = self.planner.pick(samples, training=not self.validation)
         self.decisions.store.set(self.decisions.next_key(), f"{candidate.split},{candidate.dtype}")
@@ -160,6 +172,11 @@ class Follower:
 
     It sends as soon as its loader has room; each request waits in its fetch thread for
     rank 0's decision. It plans nothing, so its replies teach no planner.
+
+    The fetch threads poll for their keys rather than block in the store: a blocking wait
+    holds the store client's lock, so a thread waiting for a batch rank 0 has not reached
+    would keep the others from reading decisions already there, and rank 0 waits for
+    those batches in DDP's all-reduce. ``close`` ends the waits of a pass left early.
     """
 
     settled = True
@@ -167,6 +184,15 @@ class Follower:
     def __init__(self, sources: Sources, world: World, name: str, validation: bool = False) -> None:
         self.sources, self.validation = sources, validation
         self.decisions = Decisions(world.store, name)
+        self._closed = threading.Event()
+
+    def begin(self, pass_id: str) -> None:
+        self._closed.clear()
+        self.decisions.begin(pass_id)
+
+    def close(self) -> None:
+        """The pass ends: requests still waiting for a decision give up."""
+        self._closed.set()
 
     def pick(self, samples: int) -> Awaited:
         return Awaited(self, self.decisions.next_key())
@@ -178,8 +204,12 @@ class Follower:
         pass
 
     def source(self, key: str) -> FeatureSource:
-        store = self.decisions.store
-        store.wait([key])
+        store, deadline = self.decisions.store, time.monotonic() + WAIT.total_seconds()
+        while not store.check([key]):
+            if self._closed.wait(POLL_S):
+                raise RuntimeError(f"the pass ended before rank 0 decided {key}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank 0 decided nothing for {key} in {WAIT}")
         split, dtype = store.get(key).decode().split(",")
         return self.sources.build(int(split), dtype)[self.validation]
 
@@ -235,8 +265,8 @@ class WorldBatchNorm(nn.modules.batchnorm._BatchNorm):
             with torch.no_grad():  # as BatchNorm keeps them: the unbiased variance
                 momentum = self.momentum if self.momentum is not None else 1 / float(self.num_batches_tracked + 1)
                 unbiased = var * total / torch.clamp(total - 1, min=1)
-                self.running_mean.mul_(1 - momentum).add_(mean.to(x.dtype), alpha=momentum)
-                self.running_var.mul_(1 - momentum).add_(unbiased.to(x.dtype), alpha=momentum)
+                self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
+                self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
                 self.num_batches_tracked.add_(1)
         shape = [1, channels] + [1] * (x.dim() - 2)
         y = ((wide - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)).to(x.dtype)

@@ -104,8 +104,9 @@ class FeatureCache:
 
     def put(self, scope: CacheScope, samples: Sequence[Sample], part: Part) -> None:
         """Keep each sample's row of ``part`` while the budget allows."""
+        features = part.features.cpu()  # one copy from a GPU for the whole request, not one a row
         with self._lock:
-            for sample, row in zip(samples, part.features):
+            for sample, row in zip(samples, features):
                 old = self._entry(scope, sample.key)
                 if old is not None:
                     self.bytes -= old.nbytes
@@ -116,8 +117,8 @@ class FeatureCache:
                     self._warn_full_once()
                     continue
                 # A copy, in host memory (what the budget bounds): a view would keep the whole
-                # request's tensor alive for one row, and a row on a GPU would hold its memory.
-                entry = _Entry(sample.size, part.split, part.dtype, row.nbytes, row.to("cpu", copy=True))
+                # request's tensor alive for one row.
+                entry = _Entry(sample.size, part.split, part.dtype, row.nbytes, row.clone())
                 if self.directory is not None:
                     entry = self._write(scope, sample.key, entry)
                 self._entries[(scope, sample.key)] = entry

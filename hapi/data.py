@@ -142,6 +142,9 @@ class Pipeline:
         self.config, self.world = config, world
         self.model = build_model(config.model, config.weights, config.image_size)
         self.fixed_split = None if config.split == "auto" else resolve_split(self.model, config.split)
+        if world is not None and config.batch_size < world.size:
+            raise ValueError(f"--batch-size {config.batch_size} is smaller than the {world.size} ranks: "
+                             "each rank trains a slice of every batch")
         if self.fixed_split not in (None, ALL_IN_COMPUTE) and not wire_dtype_allowed(config.dtype, self.fixed_split):
             raise ValueError(f"--dtype {config.dtype} ships decoded images: only with --split 0")
         # Rank 0 makes the embedded data set, if needed, before the others read it.
@@ -239,7 +242,7 @@ class Pipeline:
         cached = later if c.feature_cache else 0
         sent = epochs * (len(self.train_samples) + len(self.val_samples)) - cached
         return OnlinePlanner(profile, self.model.spec.freeze_index, batch, -(-sent // ranks),
-                             node_passes=node_passes(clients, max(c.depth, 1)),
+                             node_passes=max(1, node_passes(clients, max(c.depth, 1) * ranks) // ranks),
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
                              dtypes=c.dtypes or (c.dtype,), batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
                              cached_samples=-(-cached // ranks))
@@ -257,11 +260,16 @@ class Pipeline:
         if self.planner is not None:
             self.planner.restarted()
         slices = self._slices(train_loader, batches[done:])
-        for batch in to_device(train_loader.epoch([piece for piece in slices if piece], epoch), self.config.device):
-            handed = time.perf_counter()
-            yield batch
-            if self.planner is not None and not batch.cached:
-                self.planner.trained(len(batch.keys), batch.wait_s, time.perf_counter() - handed)
+        try:
+            for batch in to_device(train_loader.epoch([piece for piece in slices if piece], epoch),
+                                   self.config.device):
+                handed = time.perf_counter()
+                yield batch
+                if self.planner is not None and not batch.cached:
+                    self.planner.trained(len(batch.keys), batch.wait_s, time.perf_counter() - handed)
+        finally:  # a pass left early (a SIGTERM) leaves no request waiting for rank 0
+            if isinstance(train_loader.steering, Leader | Follower):
+                train_loader.steering.close()
         if slices and not slices[-1]:
             yield self._empty_batch()
 
@@ -280,15 +288,16 @@ class Pipeline:
         last batch smaller than the world leaves some ranks an empty slice."""
         self._passes += 1
         if isinstance(loader.steering, Leader | Follower):
-            loader.steering.decisions.begin(str(self._passes))
+            loader.steering.begin(str(self._passes))
         return [rank_slice(batch, self.world) for batch in batches]
 
     def _empty_batch(self) -> Batch:
         """A training step with no samples, at the freeze index: a rank whose slice of the
         last batch is empty still takes part in the step's collectives (DDP's, BatchNorm's)."""
         crop = self.config.image_size or self.model.spec.input_size
+        device = next(self.frozen.parameters(), torch.empty(0)).device  # where a trainer may have moved them
         with torch.no_grad():  # one sample's shape at the freeze index, from a blank image
-            shape = self.frozen(torch.zeros(1, 3, crop, crop), 0).shape[1:]
+            shape = self.frozen(torch.zeros(1, 3, crop, crop, device=device), 0).shape[1:]
         return Batch(torch.zeros(0, *shape), torch.zeros(0, dtype=torch.long), (), self.model.spec.freeze_index,
                      "float32", 0, 0, 0, 0.0, 0.0)
 

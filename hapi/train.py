@@ -296,9 +296,12 @@ def main(args: argparse.Namespace) -> int:
     args.device = resolve_device(args.device)  # checked before anything is built or read
     world = distributed.join(args.device)
     try:
-        return run_job(args, world)
-    finally:
-        distributed.leave(world)
+        code = run_job(args, world)
+    except BaseException:
+        distributed.leave(world, together=False)
+        raise
+    distributed.leave(world)
+    return code
 
 
 def run_job(args: argparse.Namespace, world: World | None) -> int:

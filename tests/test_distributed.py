@@ -7,11 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from compute_side.distributed import World, join, rank_slice, with_world_batch_norm
+from hapi.data import DataConfig, Pipeline
 from hapi.datasets import load_manifest
 from hapi.store import open_store
 from hapi.train import read_ledger
@@ -95,3 +97,8 @@ def test_world_batch_norm_is_batch_norm_over_the_global_batch_forward_and_backwa
 def test_a_plain_run_joins_no_group(monkeypatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert join("cpu") is None
+
+
+def test_a_global_batch_smaller_than_the_world_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="--batch-size 2 is smaller than the 4 ranks"):
+        Pipeline(DataConfig(model="resnet18", batch_size=2, cache_dir=tmp_path), World(0, 4, store=None))
