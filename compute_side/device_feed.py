@@ -8,10 +8,17 @@ the tensor is marked as used by the compute stream (``record_stream``) so the ca
 allocator does not hand its memory to another copy while a step still reads it. The
 labels travel the same way. Features already on the device (decoded there by nvJPEG)
 are handed on as they are. On the CPU the batches pass through unchanged.
+
+On CUDA a batch is handed out only once the next one has come from ``batches`` (or
+``batches`` has ended): one batch of lookahead, whatever the loader's own ``depth``, so
+with ``--depth 0`` too the loader fetches batch i+1 before step i runs. One side stream
+per device serves every pass (every call of ``to_device``): the caching allocator keeps
+freed blocks per stream, so a new stream per pass would strand the blocks of the old ones.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
@@ -19,16 +26,21 @@ import torch
 
 from compute_side.loader import Batch
 
+# The side stream of each CUDA device, made on its first pass.
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+_copy_streams_lock = threading.Lock()
+
 
 def to_device(batches: Iterable[Batch], device: torch.device | str) -> Iterator[Batch]:
-    """``batches`` with features and labels on ``device``, each copied while the previous one trains."""
+    """``batches`` with features and labels on ``device``, each copied while the previous one
+    trains; on CUDA each is handed out once the next has been taken from ``batches``."""
     device = torch.device(device)
     if device.type != "cuda":
         yield from batches
         return
     if device.index is None:  # a tensor's device always has its index: compare like with like
         device = torch.device("cuda", torch.cuda.current_device())
-    copies = torch.cuda.Stream(device)
+    copies = _copy_stream(device)
     pending: tuple[Batch, torch.cuda.Event] | None = None
     for batch in batches:
         staged = _start_copy(batch, device, copies)
@@ -37,6 +49,13 @@ def to_device(batches: Iterable[Batch], device: torch.device | str) -> Iterator[
         pending = staged
     if pending is not None:
         yield _ready(*pending, device)
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    with _copy_streams_lock:
+        if device not in _copy_streams:
+            _copy_streams[device] = torch.cuda.Stream(device)
+        return _copy_streams[device]
 
 
 def _start_copy(batch: Batch, device: torch.device, copies: torch.cuda.Stream) -> tuple[Batch, torch.cuda.Event]:

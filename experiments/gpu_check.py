@@ -281,13 +281,21 @@ def tenant_round(n: int, node: str, store_url: str, work: Path, clock: Clock, co
         metrics["samples_per_s"] = round(sum(paces), 1)  # all jobs together
         metrics["wait_share"] = round(sum(p["wait_share"] for p in parsed if "wait_share" in p) / len(paces), 2)
     metrics["refused"] = refused(node)
-    within = metrics.get("daemon_gpu_memory_reserved_peak_mb", 0) <= metrics.get("daemon_gpu_memory_capacity_mb", 0)
     bad = [(rc, text) for rc, text in results if rc != 0]
     if bad:
         status = "timeout" if any(rc == 124 for rc, _ in bad) else "failed"
         return Row(name, status, f"{len(bad)} of {n} jobs: exit {bad[0][0]}: {tail(bad[0][1])}", metrics)
-    return Row(name, "ok", "reservations within the GPU budget" if within else "RESERVED OVER THE GPU BUDGET",
-               metrics)
+    return Row(name, "ok", gpu_budget_note(metrics), metrics)
+
+
+def gpu_budget_note(metrics: dict[str, float | str]) -> str:
+    """Whether the daemon's GPU reservations stayed within its budget; a reading the daemon
+    did not give is unknown, never a pass."""
+    peak = metrics.get("daemon_gpu_memory_reserved_peak_mb")
+    capacity = metrics.get("daemon_gpu_memory_capacity_mb")
+    if peak is None or capacity is None:
+        return "GPU reservations not measured"
+    return "reservations within the GPU budget" if peak <= capacity else "RESERVED OVER THE GPU BUDGET"
 
 
 def refused(node: str) -> float:

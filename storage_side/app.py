@@ -25,7 +25,7 @@ from storage_side.admission import Admission
 from storage_side.config import DaemonConfig
 from storage_side.errors import RequestError
 from storage_side.executor import Extractor, RequestStats
-from storage_side.memory import default_memory_budget, device_peak_bytes, process_rss_bytes
+from storage_side.memory import default_memory_budget, device_peak_bytes, device_work, process_rss_bytes
 from storage_side.metrics import Metrics
 from storage_side.parallel import ComputeTurns, Decoder, make_decoder
 from storage_side.prefix_cache import PrefixCache
@@ -220,27 +220,29 @@ def create_app(config: DaemonConfig) -> Flask:
             limit = PROFILE_PASSES_PER_KEY * config.max_keys_per_request
             return _error(413, "profile_too_large", f"batch sizes {list(req.batch_sizes)} x ({req.repeats} repeats "
                           f"+ a warm-up) are {passes} sample passes; this node runs at most {limit}", limit=limit)
-        with cache.lease(req.model, req.weights, req.input_size, req.job_id) as prefix:
-            need = prefix.memory.forward_bytes(len(prefix.stages), max(req.batch_sizes))
-            # The passes run where the prefix does: their memory is the GPU's there.
-            gate = device_admission if device.type == "cuda" else admission
-            if gate is not None and need > gate.capacity:
-                raise RequestError(413, "exceeds_memory", f"batch {max(req.batch_sizes)} needs {need} bytes; this "
-                                   f"node reserves at most {gate.capacity}")
-            reservation = gate.admit(req.job_id, need, need) if gate is not None else None
-            try:
+        reservation = None
+        try:
+            with cache.lease(req.model, req.weights, req.input_size, req.job_id) as prefix:
+                need = prefix.memory.forward_bytes(len(prefix.stages), max(req.batch_sizes))
+                # The passes run where the prefix does: their memory is the GPU's there.
+                gate = device_admission if device.type == "cuda" else admission
+                if gate is not None and need > gate.capacity:
+                    raise RequestError(413, "exceeds_memory", f"batch {max(req.batch_sizes)} needs {need} bytes; "
+                                       f"this node reserves at most {gate.capacity}")
+                reservation = gate.admit(req.job_id, need, need) if gate is not None else None
                 # A compute turn like an extract request's: profiling shares the cores, it does not add to them.
-                with extractor.compute_turns as slot:
+                with extractor.compute_turns as slot, device_work(device):
                     slot.take_share()
                     stages = profile_stages(prefix, req.batch_sizes, req.repeats, compute_dtype, device)
-            finally:
-                if reservation is not None:
-                    reservation.release()
-            return jsonify(model=req.model, weights=req.weights, input_size=req.input_size,
-                           batch_sizes=list(req.batch_sizes), device=str(device),
-                           compute_dtype="bfloat16" if device.type == "cuda" else config.compute_dtype,
-                           torch_threads=torch.get_num_threads(), cpu_count=config.core_count(),
-                           memory=prefix.memory.to_json(), stages=stages)
+        finally:
+            # Once the prefix is idle: this release lets a load waiting for memory evict it.
+            if reservation is not None:
+                reservation.release()
+        return jsonify(model=req.model, weights=req.weights, input_size=req.input_size,
+                       batch_sizes=list(req.batch_sizes), device=str(device),
+                       compute_dtype="bfloat16" if device.type == "cuda" else config.compute_dtype,
+                       torch_threads=torch.get_num_threads(), cpu_count=config.core_count(),
+                       memory=prefix.memory.to_json(), stages=stages)
 
     @app.errorhandler(WireError)
     def bad_request(exc: WireError):

@@ -15,8 +15,16 @@ started decoding them.
 On a CUDA device a request holds two reservations: host memory for its objects, decoded
 sub-batches and features (as on the CPU), and GPU memory for the forward pass of one
 sub-batch, from the prefix's memory model measured on the GPU; its sub-batch is the
-largest both hold. Host memory is always taken first and GPU memory never waits for host
-memory, so two requests cannot each hold what the other waits for.
+largest both hold. GPU memory always comes first, host memory second: a request keeps
+its prefix's weights (GPU memory) in use from the start, and a prefix load takes its
+GPU memory before its host memory too, so nobody waits for GPU memory while holding
+host memory, and a load never holds host memory that a request keeping a prefix the
+load needs evicted waits for. The GPU reservation is released once the prefix is no
+longer in use, so that release lets a load waiting for GPU memory evict it. (A request
+waiting for GPU memory for its pass still keeps its prefix's weights: a load queued
+ahead of it that needs them evicted waits until one of the two times out.) Forward
+passes on the GPU run inside ``memory.device_work``, so a prefix's memory being
+measured never sees their tensors come and go.
 
 At split 0 with the uint8 wire dtype the decoded crops are shipped as they are, 0..255,
 a quarter of their float32 bytes; the compute tier normalises them.
@@ -40,7 +48,7 @@ from hapi.wire import IMAGE_WIRE_DTYPES, WIRE_DTYPES, ExtractRequest, encode_fea
 from storage_side.admission import Admission, Reservation
 from storage_side.config import is_plain_key
 from storage_side.errors import Busy, RequestError
-from storage_side.memory import CPU, PrefixMemory, SampleSizes, Staging, autocast_context
+from storage_side.memory import CPU, PrefixMemory, SampleSizes, Staging, autocast_context, device_work
 from storage_side.parallel import ComputeTurns, Decoder, PendingBatch
 from storage_side.prefix_cache import LoadedPrefix, PrefixCache
 
@@ -204,30 +212,34 @@ class Extractor:
         self.validate(request)
         timings = stats.timings
         started = time.perf_counter()
-        with self.cache.lease(request.model, request.weights, request.transform.crop_size,
-                              request.job_id) as prefix:
-            timings["load_ms"] = _ms_since(started)
-            cost = RequestCost(prefix.memory, request.split, len(request.keys), WIRE_DTYPES[request.dtype].itemsize,
-                               self.sample_sizes.estimate(), self.decoder.workers,
-                               on_device=self.device.type == "cuda" and request.split > 0)
-            started = time.perf_counter()
-            reservation = self._admit(request, cost)
-            try:
-                gpu_reservation = self._admit_device(request, cost)
-            except BaseException:
-                if reservation is not None:
-                    reservation.release()
-                raise
-            timings["queue_ms"] = _ms_since(started)
-            try:
+        reservation = gpu_reservation = None
+        try:
+            with self.cache.lease(request.model, request.weights, request.transform.crop_size,
+                                  request.job_id) as prefix:
+                timings["load_ms"] = _ms_since(started)
+                cost = RequestCost(prefix.memory, request.split, len(request.keys),
+                                   WIRE_DTYPES[request.dtype].itemsize, self.sample_sizes.estimate(),
+                                   self.decoder.workers, on_device=self.device.type == "cuda" and request.split > 0)
+                # Both refusals for size come before any wait.
+                host = self._host_range(request, cost)
+                device = self._device_range(request, cost)
+                started = time.perf_counter()
+                # GPU memory before host memory, as a prefix load takes them: the lease
+                # already keeps the prefix's weights on the GPU in use.
+                if device is not None:
+                    gpu_reservation = self.device_admission.admit(request.job_id, *device)
+                if host is not None:
+                    reservation = self.admission.admit(request.job_id, *host)
+                timings["queue_ms"] = _ms_since(started)
                 blob = self._run(request, prefix, cost, reservation, gpu_reservation, stats)
-            except BaseException:
-                if reservation is not None:
-                    reservation.release()
-                raise
-            finally:
-                if gpu_reservation is not None:
-                    gpu_reservation.release()
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+        finally:
+            # Once the prefix is idle: this release lets a load waiting for GPU memory evict it.
+            if gpu_reservation is not None:
+                gpu_reservation.release()
         if reservation is not None:
             # Until the response is sent, only the blob stays; the work is done, so the
             # request's turn passes on now, whenever the reply finishes going out.
@@ -235,7 +247,8 @@ class Extractor:
             reservation.keep()
         return blob, reservation
 
-    def _admit(self, request: ExtractRequest, cost: RequestCost) -> Reservation | None:
+    def _host_range(self, request: ExtractRequest, cost: RequestCost) -> tuple[int, int] | None:
+        """The (need, want) bytes of host memory to ask for; refuses a request that can never fit."""
         if self.admission is None:
             return None
         # The prefix's own weights stay loaded while it runs: the rest is all a request can ever get.
@@ -254,10 +267,10 @@ class Extractor:
             need = cost.bytes(1)  # the floor can never fit: smaller sub-batches beat a refusal
         need = min(need, most)
         want = max(need, cost.bytes(min(self.max_sub_batch, cost.samples)))
-        return self.admission.admit(request.job_id, need, want)
+        return need, want
 
-    def _admit_device(self, request: ExtractRequest, cost: RequestCost) -> Reservation | None:
-        """GPU memory for the forward pass: after host memory, so it never waits holding GPU memory."""
+    def _device_range(self, request: ExtractRequest, cost: RequestCost) -> tuple[int, int] | None:
+        """The (need, want) bytes of GPU memory for the forward pass; refuses a request that can never fit."""
         if self.device_admission is None or not cost.on_device:
             return None
         most = self.device_admission.capacity - cost.memory.weights_bytes
@@ -270,7 +283,7 @@ class Extractor:
         if need > most:
             need = cost.device_bytes(1)
         want = max(need, cost.device_bytes(min(self.max_sub_batch, cost.samples)))
-        return self.device_admission.admit(request.job_id, need, want)
+        return need, want
 
     def _run(self, request: ExtractRequest, prefix: LoadedPrefix, cost: RequestCost, reservation: Reservation | None,
              gpu_reservation: Reservation | None, stats: RequestStats) -> bytes:
@@ -325,15 +338,10 @@ class Extractor:
                     pending = submit(start + sub_batch) if start + sub_batch < n else None
                     ran = time.perf_counter()
                     stats.threads = self.compute_turns.take_share()
-                    if cost.on_device:
-                        inputs = inputs.to(self.device, memory_format=torch.channels_last)
-                    with torch.inference_mode(), autocast_context(self.compute_dtype, self.device):
-                        out = stages(inputs)
+                    with device_work(self.device if cost.on_device else CPU):
+                        features = self._forward(stages, inputs, features, start, n, WIRE_DTYPES[request.dtype],
+                                                 cost.on_device)
                     del inputs
-                    if features is None:
-                        features = torch.empty((n, *out.shape[1:]), dtype=WIRE_DTYPES[request.dtype])
-                    features[start: start + len(out)] = out
-                    del out
                     forward_s += time.perf_counter() - ran
         finally:
             if pending is not None:  # the request failed: what is not decoded yet never will be
@@ -354,6 +362,21 @@ class Extractor:
         blob = encode_features(features, request.keys, metadata)
         timings["encode_ms"] = _ms_since(started)
         return blob
+
+    def _forward(self, stages: torch.nn.Module, inputs: torch.Tensor, features: torch.Tensor | None, start: int,
+                 n: int, dtype: torch.dtype, on_device: bool) -> torch.Tensor:
+        """Run one sub-batch and write its features into ``features[start:]`` (host memory,
+        made for all ``n`` samples on the first call); return ``features``. Every GPU tensor
+        lives in this frame only, so none outlives the call (``device_work`` clears it on an error)."""
+        if on_device:
+            inputs = inputs.to(self.device, memory_format=torch.channels_last)
+        with torch.inference_mode(), autocast_context(self.compute_dtype, self.device):
+            out = stages(inputs)
+        del inputs  # on a GPU, its copy there is freed before the features are copied off
+        if features is None:
+            features = torch.empty((n, *out.shape[1:]), dtype=dtype)
+        features[start: start + len(out)] = out
+        return features
 
     def _choose_sub_batch(self, cost: RequestCost, reservation: Reservation | None) -> int:
         """The largest sub-batch the reservation holds, now that the samples' real sizes are known."""

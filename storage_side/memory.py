@@ -16,9 +16,10 @@ import logging
 import os
 import resource
 import threading
+import traceback
 from collections import deque
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -187,11 +188,92 @@ def peak_live_bytes(run: Callable[[], object]) -> int:
     return peak
 
 
+class _DeviceLock:
+    """Shared by the forward passes on one device, held alone by a measure of its memory.
+
+    A measure reads the device's allocator counters, which count every thread's tensors:
+    alone, nothing but the measured run allocates or frees there, so no other pass's
+    memory coming and going shifts the reading. A measure waiting goes ahead of passes
+    not yet started: passes come and go all the time and would keep it out for good.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._passes = 0
+        self._measuring = False
+        self._measures_waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._measuring and not self._measures_waiting)
+            self._passes += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._passes -= 1
+                if not self._passes:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def alone(self) -> Iterator[None]:
+        with self._cond:
+            self._measures_waiting += 1
+            try:
+                self._cond.wait_for(lambda: not self._measuring and not self._passes)
+                self._measuring = True
+            finally:
+                self._measures_waiting -= 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._measuring = False
+                self._cond.notify_all()
+
+
+_device_locks: dict[int, _DeviceLock] = {}
+_device_locks_guard = threading.Lock()
+
+
+def _device_lock(device: torch.device) -> _DeviceLock:
+    with _device_locks_guard:
+        return _device_locks.setdefault(device.index, _DeviceLock())
+
+
+@contextmanager
+def device_work(device: torch.device) -> Iterator[None]:
+    """Around anything in the daemon that allocates or frees memory on CUDA ``device`` (a
+    forward pass, an eviction): it never overlaps a measure of the device's memory
+    (``peak_device_bytes``). Passes overlap each other. Nothing on the CPU, whose measure
+    counts its own thread's allocations only.
+
+    Every GPU tensor the block made must be gone when it ends. On an error, the frames of
+    the traceback that have returned (the modules' forwards, a helper the block called)
+    are cleared here, so the tensors they held are freed now, not whenever the error is
+    dropped; tensors in the block's own frame are the caller's to drop.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    with _device_lock(device).shared():
+        try:
+            yield
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)
+            raise
+
+
 def peak_device_bytes(run: Callable[[], object], device: torch.device) -> int:
     """Peak bytes the CUDA caching allocator held allocated on ``device``, beyond what it held
-    before, while ``run()`` runs. The counter is the device's, not the thread's: a pass of
-    another request at the same time counts too, so the measure errs high, never low."""
-    with _PROFILER_LOCK:
+    before, while ``run()`` runs. The counter is the device's, not the thread's, so the run
+    holds the device alone: the daemon allocates and frees GPU memory only inside
+    ``device_work`` (forward passes, evictions), which waits meanwhile, or in the prefix
+    load this measure is part of (loads run one at a time). No other tensor is freed
+    during the run, so the reading cannot come out low; anything allocating there at the
+    same time only adds to it: the measure errs high, never low."""
+    with _device_lock(device).alone():
         torch.cuda.synchronize(device)
         _record_device_peak(device)
         before = torch.cuda.memory_allocated(device)

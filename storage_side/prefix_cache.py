@@ -8,6 +8,10 @@ Loading a prefix measures its memory model (``storage_side.memory.calibrate``).
 On a CUDA device the weights live on the GPU: a model is built in host memory (reserved
 there while it is built), moved to the device in channels_last and calibrated there,
 and from then on holds a reservation of GPU memory only, evicted to make room on the GPU.
+A load reserves its GPU memory before its host memory, as a request does (a request's
+lease keeps its prefix's weights on the GPU in use before it asks for host memory): a
+load holding host memory while it waited for GPU memory could wait for a prefix that a
+request keeps in use while it waits for that host memory.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import gc
 import logging
 import threading
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +42,7 @@ from hapi.models import (
 )
 from storage_side.admission import Admission, Reservation
 from storage_side.errors import RequestError
-from storage_side.memory import CALIBRATION_BATCHES, CPU, PrefixMemory, calibrate, model_bytes
+from storage_side.memory import CALIBRATION_BATCHES, CPU, PrefixMemory, calibrate, device_work, model_bytes
 
 log = logging.getLogger(__name__)
 
@@ -190,25 +195,31 @@ class PrefixCache:
     def _load(self, key: PrefixKey, source: str, job: str) -> LoadedPrefix:
         model, _, input_size = key
         started = time.perf_counter()
-        reservation = None
+        on_device = self.device.type == "cuda"
+        # The weights' own reservation, and the host memory the model is built in: one and
+        # the same on the CPU.
+        reservation = building = None
         if self.admission is not None:
             bound = load_bytes_bound(model, input_size, from_file=source not in (RANDOM_WEIGHTS, "torchvision"))
             if bound > self.admission.capacity:
                 raise RequestError(507, "model_exceeds_memory",
                                    f"loading {model} at {input_size} px needs up to {bound} bytes; this node "
                                    f"reserves at most {self.admission.capacity} (raise --memory-budget)")
-            reservation = self.admission.admit(job, bound, bound)
-        on_device = self.device.type == "cuda"
-        building = reservation
+            # The same bound on the GPU: the whole prefix moves there and calibrates there.
+            if on_device and bound > self.weights_admission.capacity:
+                raise RequestError(507, "model_exceeds_memory",
+                                   f"loading {model} at {input_size} px needs up to {bound} bytes of GPU "
+                                   f"memory; this node reserves at most {self.weights_admission.capacity} "
+                                   "(raise --gpu-memory-budget)")
+        stages = None
         try:
-            if on_device and reservation is not None:
-                # The same bound on the GPU: the whole prefix moves there and calibrates there.
-                if bound > self.weights_admission.capacity:
-                    raise RequestError(507, "model_exceeds_memory",
-                                       f"loading {model} at {input_size} px needs up to {bound} bytes of GPU "
-                                       f"memory; this node reserves at most {self.weights_admission.capacity} "
-                                       "(raise --gpu-memory-budget)")
-                reservation = self.weights_admission.admit(job, bound, bound)
+            if self.admission is not None:
+                # GPU memory first, host memory second (see the module's docstring).
+                if on_device:
+                    reservation = self.weights_admission.admit(job, bound, bound)
+                building = self.admission.admit(job, bound, bound)
+                if not on_device:
+                    reservation = building
             staged = build_model(model, source, input_size)
             # Only frozen stages may run here; the rest (often the largest Linear) is dropped.
             stages = staged.prefix(staged.spec.freeze_index)
@@ -217,7 +228,15 @@ class PrefixCache:
             if on_device:
                 stages = stages.to(self.device, memory_format=torch.channels_last)
             memory = calibrate(stages, input_size, self.compute_dtype, self.device)
-        except BaseException:
+        except BaseException as exc:
+            if on_device:
+                # The failed load's GPU tensors go now, before the next load, whose measure of
+                # GPU memory must not see them freed: its own, and those the frames of the
+                # traceback hold (calibration's batches), which would otherwise live on
+                # until the error is answered.
+                stages = None
+                traceback.clear_frames(exc.__traceback__)
+                gc.collect()
             for held in {id(r): r for r in (building, reservation) if r is not None}.values():
                 held.release()
             raise
@@ -251,8 +270,9 @@ class PrefixCache:
         finally:
             self._lock.release()
         for entry in evicted:
-            del entry.stages
-            gc.collect()  # modules can sit in reference cycles; their memory must be back now
+            with device_work(self.device):  # freed while no measure of the GPU's memory runs
+                del entry.stages
+                gc.collect()  # modules can sit in reference cycles; their memory must be back now
             entry.reservation.release()
             self.evictions += 1
             log.info("evicted prefix %s (idle, least recently used) to free memory", entry.key)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compute_side.device_feed import to_device
+from compute_side.device_feed import _copy_stream, to_device
 from compute_side.loader import Batch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
@@ -46,3 +46,13 @@ def test_features_already_on_the_gpu_are_not_copied() -> None:
     fed = list(to_device(iter(batches), "cuda"))
     assert all(a.features is b.features for a, b in zip(fed, batches, strict=True))
     assert all(b.labels.is_cuda for b in fed)
+
+
+@CUDA
+def test_every_pass_copies_on_the_same_side_stream() -> None:
+    # A stream per pass would strand the caching allocator's blocks of the old ones.
+    streams = []
+    for _ in range(2):
+        for batch in to_device(iter(_batches(2)), "cuda"):
+            streams.append(_copy_stream(batch.features.device))
+    assert all(s is streams[0] for s in streams) and streams[0] != torch.cuda.current_stream()

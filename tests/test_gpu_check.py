@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from experiments.gpu_check import NO_GPU, main, parse_train
+from experiments.gpu_check import NO_GPU, gpu_budget_note, main, parse_train
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a CUDA device")
@@ -22,3 +22,12 @@ def test_it_reads_hapi_trains_closing_report() -> None:
     assert parse_train(text) == {"samples": 120, "samples_per_s": 48.0, "wait_share": 0.75, "compute_share": 0.25,
                                  "network_mb": 0.5, "raw_mb": 11.9, "trainer_peak_gpu_mb": 123.5,
                                  "split": "split 22/24: storage runs up to 'layer4.0'"}
+
+
+def test_a_missing_memory_reading_is_not_a_pass() -> None:
+    assert gpu_budget_note({"daemon_gpu_memory_reserved_peak_mb": 10.0, "daemon_gpu_memory_capacity_mb": 20.0}) \
+        == "reservations within the GPU budget"
+    assert gpu_budget_note({"daemon_gpu_memory_reserved_peak_mb": 30.0, "daemon_gpu_memory_capacity_mb": 20.0}) \
+        == "RESERVED OVER THE GPU BUDGET"
+    for metrics in ({}, {"daemon_gpu_memory_capacity_mb": 20.0}, {"daemon_gpu_memory_reserved_peak_mb": 0.0}):
+        assert gpu_budget_note(metrics) == "GPU reservations not measured"

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import weakref
+
 import pytest
 import torch
 
 from hapi.models import build_model
 from storage_side.config import parse_size
 from storage_side.memory import (
+    _device_lock,
     autocast_context,
     calibrate,
     default_memory_budget,
     device_peak_bytes,
+    device_work,
     machine_memory_bytes,
     model_bytes,
     peak_device_bytes,
@@ -104,3 +110,59 @@ def test_parse_size(text: str, value: int) -> None:
 def test_parse_size_refuses_nonsense(text: str) -> None:
     with pytest.raises(ValueError, match="not a size"):
         parse_size(text)
+
+
+def test_a_measure_of_device_memory_never_overlaps_a_forward_pass() -> None:
+    """Passes on one device overlap each other; a measure waits for those running, and
+    passes arriving meanwhile wait for it (the lock is plain Python: no GPU needed)."""
+    device = torch.device("cuda", 7)
+    events: list[str] = []
+    first_in, release_first = threading.Event(), threading.Event()
+
+    def first_pass() -> None:
+        with device_work(device):
+            events.append("pass 1 in")
+            first_in.set()
+            release_first.wait(5)
+            events.append("pass 1 out")
+
+    def measure() -> None:
+        with _device_lock(device).alone():
+            events.append("measure")
+
+    def later_pass() -> None:
+        with device_work(device):
+            events.append("pass 2")
+
+    threads = [threading.Thread(target=first_pass)]
+    threads[0].start()
+    first_in.wait(5)
+    with device_work(device):  # passes share the device
+        events.append("pass 0")
+    threads.append(threading.Thread(target=measure))
+    threads[1].start()
+    deadline = time.monotonic() + 5
+    while not _device_lock(device)._measures_waiting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threads.append(threading.Thread(target=later_pass))
+    threads[2].start()
+    time.sleep(0.2)
+    assert events == ["pass 1 in", "pass 0"]  # the measure waits for pass 1, pass 2 for the measure
+    release_first.set()
+    for thread in threads:
+        thread.join(5)
+    assert events == ["pass 1 in", "pass 0", "pass 1 out", "measure", "pass 2"]
+
+
+def test_device_work_frees_what_a_failed_pass_held_before_it_ends() -> None:
+    held: list[weakref.ref] = []
+
+    def failing_pass() -> None:
+        activations = torch.empty(1024)
+        held.append(weakref.ref(activations))
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError) as failure:
+        with device_work(torch.device("cuda", 7)):
+            failing_pass()
+    assert failure.value.__traceback__ is not None and held[0]() is None  # the error lives on, the tensor does not
