@@ -127,6 +127,9 @@ class Mixed:
     def arrived(self, part, samples: int) -> None:
         pass
 
+    def cached(self, samples: int) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class AutoRun:
