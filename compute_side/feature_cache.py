@@ -22,7 +22,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -68,8 +68,12 @@ class _Entry:
 class FeatureCache:
     """Per-sample features within a byte budget, shared by a run's loaders.
 
-    A batch is served only whole and at one split and dtype, because a batch carries one
-    split to the trainer. Nothing is evicted to admit more: every epoch reshuffles, so
+    A batch is served only whole and at one split, because a batch carries one split to
+    the trainer. Where its samples were kept at different splits (the planner moved or
+    explored while they first arrived), the scope's ``advance`` runs the rows kept at
+    shallower splits through the frozen stages to the deepest of them: work the trainer
+    would do on those rows anyway, from their own split on, so the batch costs nothing
+    more than if every row had been kept at that depth. Nothing is evicted to admit more: every epoch reshuffles, so
     each sample is as likely as any to be needed next, and an eviction would only trade
     one miss for another at the cost of the copy. A sample whose features arrive at
     another split or dtype (the planner moved) replaces its entry: one entry per object.
@@ -94,12 +98,16 @@ class FeatureCache:
         if not entries or any(e is None or e.size != s.size for e, s in zip(entries, samples)):
             return None
         first = entries[0]
-        if any((e.split, e.dtype) != (first.split, first.dtype) for e in entries):
+        if all((e.split, e.dtype) == (first.split, first.dtype) for e in entries):
+            features, split, dtype = torch.stack([e.load() for e in entries]), first.split, first.dtype
+        elif scope.advance is not None:
+            split, dtype = max(max(e.split, 0) for e in entries), "float32"
+            features = _advanced(entries, split, scope.advance)
+        else:
             return None
-        features = torch.stack([e.load() for e in entries])
         now = time.perf_counter()
         elapsed_ms = (now - started) * 1e3
-        return Part(features, first.split, first.dtype, wire_bytes=0, elapsed_ms=elapsed_ms, link_interval=(now, now),
+        return Part(features, split, dtype, wire_bytes=0, elapsed_ms=elapsed_ms, link_interval=(now, now),
                     timings={"cache_ms": elapsed_ms})
 
     def put(self, scope: CacheScope, samples: Sequence[Sample], part: Part) -> None:
@@ -160,14 +168,35 @@ class FeatureCache:
                         "a larger --feature-cache keeps them", self.bytes / 1e6)
 
 
+# Runs inputs of stage ``start`` through the frozen stages [start, stop), returning them on the CPU.
+Advance = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+def _advanced(entries: Sequence[_Entry], split: int, advance: Advance) -> torch.Tensor:
+    """The entries' features as the input of stage ``split``, in order: rows kept at a
+    shallower split run through the stages between, a group per split they were kept at."""
+    rows: list[torch.Tensor | None] = [None] * len(entries)
+    for start in {max(e.split, 0) for e in entries}:  # all-in-compute rows are stage 0's input
+        at = [i for i, e in enumerate(entries) if max(e.split, 0) == start]
+        group = torch.stack([entries[i].load().float() for i in at])
+        for i, row in zip(at, advance(group, start, split) if start < split else group):
+            rows[i] = row
+    return torch.stack(rows)
+
+
 @dataclass(frozen=True)
 class CacheScope:
-    """One model, weights and transform in a cache: what one loader reads and fills."""
+    """One model, weights and transform in a cache: what one loader reads and fills.
+
+    ``advance`` (the model's frozen stages) lets a batch whose samples were kept at
+    different splits be served at the deepest of them; without it such a batch is a miss.
+    """
 
     cache: FeatureCache = field(compare=False, repr=False)
     model: str
     weights: str
     transform: TransformSpec
+    advance: Advance | None = field(default=None, compare=False, repr=False)
 
     @cached_property
     def digest(self) -> str:

@@ -204,9 +204,10 @@ class Pipeline:
                 self.split = self.fixed_split
             cache, weights = FeatureCache(c.feature_cache, c.feature_cache_dir), self.model.weights_id
             # Augmented features differ every epoch: none would ever be read again.
-            train_cache = (CacheScope(cache, c.model, weights, self.train_transform)
+            train_cache = (CacheScope(cache, c.model, weights, self.train_transform, self._advance)
                            if c.feature_cache and not c.augment else None)
-            val_cache = CacheScope(cache, c.model, weights, self.eval_transform) if c.feature_cache else None
+            val_cache = (CacheScope(cache, c.model, weights, self.eval_transform, self._advance)
+                         if c.feature_cache else None)
             self._loaders = (PipelinedLoader(train_source, c.request_size, c.depth, train_cache),
                              PipelinedLoader(val_source, c.request_size, c.depth, val_cache))
             try:
@@ -290,6 +291,13 @@ class Pipeline:
         if isinstance(loader.steering, Leader | Follower):
             loader.steering.begin(str(self._passes))
         return [rank_slice(batch, self.world) for batch in batches]
+
+    def _advance(self, features: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Inputs of stage ``start`` run through the frozen stages [start, stop), on the device
+        the stages are on (a trainer may have moved them), returned to the CPU."""
+        device = next(self.frozen.parameters(), torch.empty(0)).device
+        with torch.no_grad():
+            return self.frozen.stages[start:stop](features.to(device)).cpu()
 
     def _empty_batch(self) -> Batch:
         """A training step with no samples, at the freeze index: a rank whose slice of the

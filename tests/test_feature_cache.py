@@ -173,3 +173,22 @@ def test_augment_says_why_training_features_are_not_kept(tmp_path, capsys) -> No
                 "--output-dir", str(run)]) == 0
     assert "training features are not kept: --augment" in capsys.readouterr().out
     assert all(s["wire_bytes"] > 0 for s in _steps(run))
+
+
+def test_a_batch_kept_at_two_splits_is_served_at_the_deeper_one_through_the_frozen_stages() -> None:
+    samples = _samples(8)
+    stages_run = []
+
+    def advance(features: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        stages_run.append((start, stop, len(features)))
+        return features + 10.0 * (stop - start)  # each stage adds 10 to every value
+
+    cache = FeatureCache()
+    with_stages, without = _scope(cache, advance=advance), _scope(cache)
+    with_stages.put(samples[:3], _part(samples[:3], split=1))  # first kept before the planner moved
+    with_stages.put(samples[3:], _part(samples[3:], split=3, dtype="bfloat16"))
+    assert without.get(samples) is None  # no stages to run: a miss, as before
+    part = with_stages.get(samples)
+    assert (part.split, part.dtype, part.wire_bytes) == (3, "float32", 0)
+    assert stages_run == [(1, 3, 3)]  # only the shallower rows, once, as a group
+    assert part.features[:, 0].tolist() == [20.0, 21.0, 22.0, 3.0, 4.0, 5.0, 6.0, 7.0]
