@@ -23,10 +23,11 @@ sets the pace. ``forward``, ``train`` and ``decode`` are this host's measured pr
 (``hapi.measure``): a stage's share of the node's prefix is the model's, while the node's
 speed (``node_scale``, ``node_fixed``: from the node's own timings) and the bandwidth are
 learned from the replies. In steady state the pace is the real cost of the slowest stage,
-so what a run measures beyond the model's bottleneck is charged to that tier: to the node
-as a cost per sample its timings leave out (``node_unseen``: the store's CPU beside it,
-HTTP), to this tier as a factor on its profiled work (``compute_scale``: the loader's
-threads and the GIL beside the training step). A request's node time is its own wall
+so what a run measures beyond the model's bottleneck is charged to a tier it can
+calibrate (see ``_charge_unseen``): to the node as a cost per sample its timings leave out
+(``node_unseen``: the store's CPU beside it, HTTP), to this tier as a factor on its
+profiled work (``compute_scale``: the loader's threads and the GIL beside the training
+step, batches smaller than the profile's). A request's node time is its own wall
 time, so the nodes' pace divides it by ``node_passes``: how many of the run's requests in
 flight the nodes run at once, from the compute slots each node reports (its forward passes
 at once; where they share the node's cores, each request's measured time already shows it).
@@ -373,17 +374,31 @@ class OnlinePlanner:
         self._training_picks.clear()
 
     def _charge_unseen(self, wall_ms: float) -> None:
-        """Charge the measured pace's difference from the model's to the plan's bottleneck
-        tier: the node (per sample it works on) or this tier (a link-bound pace is the link's
-        rate, measured directly)."""
+        """Charge what the measured pace shows beyond the model's to a tier it can calibrate,
+        never the link (its rate is measured directly): the node as a cost per sample it
+        works on, this tier as a factor on its profiled work.
+
+        A plan of one candidate charges the busier of the node and this tier. A plan that
+        shares the batches charges only this tier, which works on every sample, and only
+        where the model says it paces the plan: the node works on a share of the samples,
+        and a cost per node sample read there would be multiplied by the inverse of that
+        share when a plan of the node alone is priced, though what slowed the shared plan
+        need not grow with the node's samples at all.
+        """
         model = self._repriced(self.plan)
-        tier = max(range(3), key=lambda i: model.loads[i])
+        loads = model.loads
+        if len(model.parts) == 1:
+            node_works = model.parts[0].split != ALL_IN_COMPUTE
+            tier = 0 if node_works and loads[0] >= loads[2] else 2
+        elif loads[2] >= max(loads):
+            tier = 2
+        else:
+            return
         if tier == 0:
-            node_share = sum(share for c, share in zip(model.parts, model.shares) if c.split != ALL_IN_COMPUTE)
-            unseen = self.conditions.node_unseen_ms + (wall_ms - model.loads[0]) / node_share
+            unseen = self.conditions.node_unseen_ms + wall_ms - loads[0]
             self.conditions = replace(self.conditions, node_unseen_ms=max(unseen, 0.0))
-        elif tier == 2 and model.loads[2] > 0:
-            scale = self.conditions.compute_scale * wall_ms / model.loads[2]
+        elif loads[2] > 0:
+            scale = self.conditions.compute_scale * wall_ms / loads[2]
             self.conditions = replace(self.conditions, compute_scale=max(scale, 1.0))
 
     # -- the choice ------------------------------------------------------------------

@@ -321,3 +321,16 @@ def test_a_node_running_several_of_the_run_s_requests_at_once_serves_them_that_m
     # first two stages, where its pace and this tier's meet: (40 + 2 x 20) / 32 = 2 + 0.5 ms.
     assert best(at(1e10, **slow_node)) == (ALL_IN_COMPUTE, "float32")
     assert best(at(1e10, **slow_node, node_passes=32)) == (2, "float32")
+
+
+def test_a_shared_plan_measured_slow_never_makes_the_node_look_slower() -> None:
+    p = planner()
+    p.pick(BATCH)
+    # As above, half the batches each at split 0 and 3 (3.5 ms a sample predicted) ...
+    p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
+    p.pick(BATCH)
+    assert len(p.plan.parts) == 2
+    # ... trains at 20 ms a sample. The node works on half the samples: charged per node
+    # sample, that would price split 3 alone at 33 ms, though nothing says the node slowed.
+    steps(p, 6, 20.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
+    assert p.conditions.node_unseen_ms == 0.0
