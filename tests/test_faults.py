@@ -60,8 +60,11 @@ def test_kill_one_of_two_nodes_costs_little(setup, undisturbed) -> None:
 def test_a_stopped_node_is_hedged_within_seconds(setup, undisturbed) -> None:
     outcome = _run(setup, "stop-one")  # SIGCONT comes with the daemons' cleanup
     assert outcome.returncode == 0 and outcome.exactly_once
-    # Before hedging the run stalled for the client's 600 s timeout.
-    assert outcome.seconds < undisturbed.seconds + 12, (outcome.seconds, undisturbed.seconds)
+    # Before hedging the run stalled for the client's 600 s timeout. The bound is far below
+    # that and far above the hedge's own delay (a multiple of the node's slowest recent
+    # request, which a cold start can stretch to 10 s here): how fast hedging is, is
+    # experiments/faults.py's to measure, not a test's.
+    assert outcome.seconds < undisturbed.seconds + 60, (outcome.seconds, undisturbed.seconds)
     _same_head(setup, "stop-one", exact=False)
 
 
