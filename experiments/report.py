@@ -79,9 +79,14 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
     for key, case in cases.items():
         batch = key[1]
         v = verdict(case)
+        # A shared plan's row carries its deepest part's split but no bytes of its own, nor does
+        # a candidate missing from the run's --explain table: the baseline and freeze are rows
+        # of one candidate whose bytes are known.
+        singles = [r for r in case if "%" not in r["candidate"]]
+        known = [r for r in singles if float(r["bytes_per_sample"]) > 0]
         per_case[key] = {"chosen": v.chosen, "best": v.best, "batch": batch, "regret": v.regret,
-                         "baseline": next(r for r in case if r["split"] == ALL_IN_COMPUTE),
-                         "freeze": max(case, key=lambda r: int(r["split"])),
+                         "baseline": next(r for r in singles if r["split"] == ALL_IN_COMPUTE),
+                         "freeze": max(known, key=lambda r: int(r["split"])),
                          "within": v.within, "within_by_selection": v.within_by_selection}
 
     def rate(row: dict) -> float:
