@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -295,18 +296,25 @@ class Pipeline:
     def _advance(self, features: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Inputs of stage ``start`` run through the frozen stages [start, stop), on the device
         the stages are on (a trainer may have moved them), returned to the CPU."""
-        device = next(self.frozen.parameters(), torch.empty(0)).device
         with torch.no_grad():
-            return self.frozen.stages[start:stop](features.to(device)).cpu()
+            return self.frozen.stages[start:stop](features.to(self._stages_device())).cpu()
+
+    @cached_property
+    def _freeze_shape(self) -> torch.Size:
+        """One sample's shape at the freeze index, from a blank image through the frozen stages (once)."""
+        crop = self.config.image_size or self.model.spec.input_size
+        with torch.no_grad():
+            return self.frozen(torch.zeros(1, 3, crop, crop, device=self._stages_device()), 0).shape[1:]
+
+    def _stages_device(self) -> torch.device:
+        """Where the frozen stages are: a trainer may have moved them."""
+        return next(self.frozen.parameters(), torch.empty(0)).device
 
     def _empty_batch(self) -> Batch:
         """A training step with no samples, at the freeze index: a rank whose slice of the
         last batch is empty still takes part in the step's collectives (DDP's, BatchNorm's)."""
-        crop = self.config.image_size or self.model.spec.input_size
-        device = next(self.frozen.parameters(), torch.empty(0)).device  # where a trainer may have moved them
-        with torch.no_grad():  # one sample's shape at the freeze index, from a blank image
-            shape = self.frozen(torch.zeros(1, 3, crop, crop, device=device), 0).shape[1:]
-        return Batch(torch.zeros(0, *shape), torch.zeros(0, dtype=torch.long), (), self.model.spec.freeze_index,
+        return Batch(torch.zeros(0, *self._freeze_shape), torch.zeros(0, dtype=torch.long), (),
+                     self.model.spec.freeze_index,
                      "float32", 0, 0, 0, 0.0, 0.0)
 
     def _running(self) -> tuple[PipelinedLoader, PipelinedLoader]:
