@@ -79,6 +79,8 @@ def test_all_in_compute_ships_raw_objects_and_decodes_here() -> None:
     c = price(PROFILE, FREEZE, at(1e8), ALL_IN_COMPUTE, "float32", BATCH)
     assert c.bytes_per_sample == RAW and c.storage_ms == 0.0
     assert c.compute_ms == pytest.approx(2.0 + 4 * 1.0 + 0.5)
+    # The store still serves each object: the storage host's cost beyond the node's timings.
+    assert price(PROFILE, FREEZE, at(1e8, node_unseen_ms=3.0), ALL_IN_COMPUTE, "float32", BATCH).storage_ms == 3.0
 
 
 def test_memory_budget_drops_candidates() -> None:
@@ -211,8 +213,12 @@ def test_the_node_and_this_tier_share_the_batches_when_both_are_needed() -> None
     p = planner()
     p.pick(BATCH)
     # 8 MB/s, a node like this host: split 3 alone is node-bound (5 ms a sample), split 0
-    # alone link-bound (6.1 ms); half the batches each keeps both busy at 3.5 ms.
+    # alone link-bound (6.1 ms); half the batches each keeps both busy at 3.5 ms. A pair
+    # balances two tiers, so it waits for a steady-state pace to calibrate them: the first
+    # reply leaves the run alone, and three steps (two fill the pipeline) bring the pair.
     p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
+    assert p.pick(BATCH).split == 3 and not p.switches
+    steps(p, 3, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
     p.pick(BATCH)
     assert [c.split for c in p.plan.parts] == [0, 3] and p.plan.shares == pytest.approx((0.49, 0.51), abs=0.01)
     assert p.plan.pace_ms == pytest.approx(3.53, abs=0.01)
@@ -328,6 +334,7 @@ def test_a_shared_plan_measured_slow_never_makes_the_node_look_slower() -> None:
     p.pick(BATCH)
     # As above, half the batches each at split 0 and 3 (3.5 ms a sample predicted) ...
     p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
+    steps(p, 3, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
     p.pick(BATCH)
     assert len(p.plan.parts) == 2
     # ... trains at 20 ms a sample. The node works on half the samples: charged per node
