@@ -4,7 +4,7 @@ For one host (issue 22's table): a daemon on ``--cores`` cores, driven by 1, 4 a
 concurrent clients (each its own job, one extract request of ``--batch`` samples in
 flight at a time, as a trainer without overlap sends them), for the prefix to the
 model's freeze index in float32 and in bf16 and for split 0 (fetch + decode + crop
-only); and the bare capacities of the same cores: the prefix alone in one process at
+only, shipped as uint8 like every split-0 request); and the bare capacities of the same cores: the prefix alone in one process at
 batch 32 on all of them, and decodes per second in one process per core (PIL's decode,
 resize and crop as the issue counted them, and the daemon's own ``preprocess``). A cell's
 share of its bare capacity is printed beside it.
@@ -48,7 +48,7 @@ from hapi.datasets import make_synthetic
 from hapi.models import build_model, get_spec
 from hapi.store import FileStore
 from hapi.transforms import TransformSpec, preprocess
-from hapi.wire import ExtractRequest
+from hapi.wire import ExtractRequest, wire_dtype
 
 CLIENTS = (1, 4, 16)
 BARE_BATCH = 32  # the issue's batch for the prefix alone
@@ -91,6 +91,7 @@ def drive(url: str, setup: Setup, clients: int, split: int) -> float:
                 start = (i * 7919 + step * setup.batch) % len(setup.keys)
                 keys = tuple((setup.keys * 2)[start: start + setup.batch])
                 node.extract(ExtractRequest(keys=keys, model=setup.model, split=split, transform=setup.spec,
+                                            dtype=wire_dtype(split, "float32"),
                                             job_id=f"client-{i}"))
                 step += 1
                 if step == 1:
@@ -243,7 +244,7 @@ def table(setup: Setup, cores: int, clients: Sequence[int], dtypes: Sequence[str
                      f"{bare[dtype]:.1f} (the prefix alone, one process, all cores, batch {BARE_BATCH})"))
         if dtype == dtypes[0]:
             split0 = [rates[0, c] for c in clients]
-    rows.append(("split 0 (fetch + decode + crop only)", split0, ours,
+    rows.append(("split 0 (fetch + decode + crop only, uint8 wire)", split0, ours,
                  f"{ours:.1f} preprocess/s ({pil:.1f} PIL decodes/s) in {len(pinned)} processes"))
     print(f"\n{setup.model} at {setup.spec.crop_size} px, {setup.batch}-sample requests, daemon on "
           f"{len(pinned)} cores; a cell is samples/s (its share of the bare capacity)\n")
@@ -284,7 +285,7 @@ def scaling(setup: Setup, cores: Sequence[int], clients: int, rounds: int, blobs
     print("| work | " + " | ".join(f"--cores {c}" for c in cores) + f" | --cores {high} / --cores {low} | "
           + " | ".join(f"bare, {c} cores" for c in cores) + f" | bare {high} / {low} |")
     print("|---|" + "---|" * (2 * len(cores) + 2))
-    for split, name in ((0, "split 0 (fetch + decode + crop)"), (setup.freeze, f"freeze index ({setup.freeze})")):
+    for split, name in ((0, "split 0 (fetch + decode + crop, uint8 wire)"), (setup.freeze, f"freeze index ({setup.freeze})")):
         med = {(w, c): statistics.median(rates[w, c, split]) for w in ("daemon", "bare") for c in cores}
         print(f"| {name} | " + " | ".join(f"{med['daemon', c]:.1f}" for c in cores)
               + f" | {med['daemon', high] / med['daemon', low]:.2f}x | "

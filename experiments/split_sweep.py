@@ -70,7 +70,7 @@ from hapi.models import build_model
 from hapi.planner import ALL_IN_COMPUTE
 from hapi.train import DEFAULT_DEPTH
 from hapi.transforms import TransformSpec
-from hapi.wire import ExtractRequest
+from hapi.wire import ExtractRequest, wire_dtype
 
 RESULTS = Path(__file__).parent / "results" / "split_sweep"
 PAPER_MODELS = ("alexnet", "resnet18", "resnet50", "vgg11", "vgg19", "densenet121", "vit_b_16")
@@ -212,7 +212,8 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
     transform = TransformSpec(crop_size=image_size, resize_size=round(image_size * 256 / 224))
     template = ExtractRequest(keys=(), model=name, split=0, transform=transform, job_id="sweep")
     sources = Sources([StorageClient(storage.node)], storage.store, template, transform)
-    keys = [single(ALL_IN_COMPUTE, "float32")] + [single(s, "float32") for s in range(model.spec.freeze_index + 1)]
+    keys = [single(ALL_IN_COMPUTE, "float32")] + [single(s, wire_dtype(s, "float32"))
+                                                  for s in range(model.spec.freeze_index + 1)]
     if auto.settled not in keys:
         keys.append(auto.settled)
     chosen = auto.settled

@@ -57,7 +57,7 @@ from hapi.models import StagedModel, build_model
 from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner
 from hapi.store import open_store
 from hapi.transforms import TransformSpec
-from hapi.wire import ExtractRequest, wire_dtype_allowed
+from hapi.wire import ExtractRequest, wire_dtype, wire_dtype_allowed
 
 DEFAULT_DEPTH = 4  # requests in flight; see the overlap benchmark in experiments/overlap.py
 
@@ -201,7 +201,7 @@ class Pipeline:
                                                 Leader(self.planner, sources, self.world, "val", True))
                 self.split = self.planner.plan.parts[0].split
             else:
-                train_source, val_source = sources.build(self.fixed_split, c.dtype)
+                train_source, val_source = sources.build(self.fixed_split, wire_dtype(self.fixed_split, c.dtype))
                 self.split = self.fixed_split
             cache, weights = FeatureCache(c.feature_cache, c.feature_cache_dir), self.model.weights_id
             # Augmented features differ every epoch: none would ever be read again.
@@ -246,7 +246,8 @@ class Pipeline:
         return OnlinePlanner(profile, self.model.spec.freeze_index, batch, -(-sent // ranks),
                              node_passes=max(1, node_passes(clients, max(c.depth, 1) * ranks) // ranks),
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
-                             dtypes=c.dtypes or (c.dtype,), batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
+                             dtypes=tuple(dict.fromkeys((*(c.dtypes or (c.dtype,)), wire_dtype(0, c.dtype)))),
+                             batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
                              cached_samples=-(-cached // ranks))
 
     def train(self, epoch: int, done: int = 0) -> Iterator[Batch]:

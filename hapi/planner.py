@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from hapi.measure import HostProfile
-from hapi.wire import WIRE_DTYPES, wire_dtype_allowed
+from hapi.wire import IMAGE_WIRE_DTYPES, WIRE_DTYPES, wire_dtype_allowed
 
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
 FLOAT32_BYTES = 4
@@ -149,9 +149,11 @@ def compute_memory(profile: HostProfile, freeze: int, split: int, batch_size: in
 def candidates(profile: HostProfile, freeze: int, conditions: Conditions, batch_size: int,
                dtypes: Iterable[str] = ("float32",), compute_memory_budget: float = math.inf) -> list[Candidate]:
     """All-in-compute, and every split up to the freeze index in every allowed wire dtype
-    that split can ship (uint8 images at split 0 only)."""
+    that split can ship. Split 0 ships uint8 images where allowed, and then only them: a
+    float dtype would carry the same pixels in more bytes."""
     keys = [(ALL_IN_COMPUTE, "float32")] + [(s, d) for s in range(freeze + 1) for d in dtypes
-                                            if wire_dtype_allowed(d, s)]
+                                            if wire_dtype_allowed(d, s)
+                                            and (s > 0 or d in IMAGE_WIRE_DTYPES or IMAGE_WIRE_DTYPES[0] not in dtypes)]
     return [price(profile, freeze, conditions, s, d, batch_size, compute_memory_budget) for s, d in keys]
 
 

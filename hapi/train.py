@@ -71,7 +71,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--augment", action="store_true", help="random resized crop + flip, seeded per sample")
     p.add_argument("--image-size", type=int, help="crop size fed to the model (default: the model's)")
     p.add_argument("--dtype", choices=sorted(WIRE_DTYPES), default="float32",
-                   help="features on the wire (uint8: decoded images, at split 0 only)")
+                   help="features on the wire after split 0, which ships its decoded images as uint8 "
+                        "(uint8: split 0 alone)")
     p.add_argument("--request-size", type=int, default=32, help="samples per request to a storage node")
     p.add_argument("--depth", type=int, default=DEFAULT_DEPTH,
                    help="requests in flight while the trainer works (0: no overlap)")

@@ -34,6 +34,14 @@ def wire_dtype_allowed(dtype: str, split: int) -> bool:
     return dtype in WIRE_DTYPES and (split == 0 or dtype not in IMAGE_WIRE_DTYPES)
 
 
+def wire_dtype(split: int, dtype: str) -> str:
+    """The dtype features cut at ``split`` cross the wire in, for a run that asked for
+    ``dtype``: at split 0 the features are the decoded crop, 8-bit pixels that the
+    receiving tier normalises, so uint8 carries them exactly in a quarter of float32's
+    bytes (a 16-bit float would carry them in twice uint8's); every other split, ``dtype``."""
+    return IMAGE_WIRE_DTYPES[0] if split == 0 else dtype
+
+
 # The schema nests three deep (request -> transform -> mean); anything deeper is not a request.
 MAX_JSON_DEPTH = 8
 # /v1/profile's own bounds: a handful of distinct batch sizes, a few timed runs each.

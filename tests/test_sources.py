@@ -86,6 +86,8 @@ def test_uint8_images_arrive_normalised_as_the_float_inputs_at_a_quarter_of_the_
     # What the trainer receives: float inputs, the same decoded crop normalised (bit for bit on the CPU).
     assert images.features.dtype == torch.float32
     torch.testing.assert_close(images.features, floats.features, rtol=0, atol=1 / 255 / min(TRANSFORM.std))
+    # So split 0 ships uint8 whatever dtype a run asks for: its inputs are all-in-compute's.
+    assert torch.equal(images.features, RawObjectSource(data[0], TRANSFORM).fetch(samples[:6], epoch=0).features)
 
 
 def test_uint8_images_after_split_0_are_refused_by_the_node(data, node) -> None:
