@@ -75,8 +75,15 @@ def first_cores(count: int) -> list[int]:
 # --- the daemon under load --------------------------------------------------------------
 
 
-def drive(url: str, setup: Setup, clients: int, split: int) -> float:
-    """Samples per second the daemon at ``url`` serves to ``clients`` closed-loop clients."""
+@dataclass(frozen=True)
+class Load:
+    rate: float  # samples/s the daemon served
+    client_cores: float  # the cores the clients (this process) kept busy meanwhile: theirs, not the daemon's
+
+
+def drive(url: str, setup: Setup, clients: int, split: int) -> Load:
+    """What the daemon at ``url`` serves to ``clients`` closed-loop clients, and what the
+    clients cost this host's cores while it did (on a small host, they share them)."""
     done: list[float] = []
     lock = threading.Lock()
     ready = threading.Barrier(clients + 1)
@@ -112,19 +119,21 @@ def drive(url: str, setup: Setup, clients: int, split: int) -> float:
         ready.wait()
     except threading.BrokenBarrierError:
         raise errors[0] from None
-    deadline = time.perf_counter() + setup.seconds
+    started, cpu_started = time.perf_counter(), time.process_time()
+    deadline = started + setup.seconds
     while time.perf_counter() < deadline or len(done) < 3:  # at least two intervals between completions
         if errors:
             raise errors[0]
         time.sleep(0.05)
     stop.set()
+    client_cores = (time.process_time() - cpu_started) / (time.perf_counter() - started)
     with lock:
         times = sorted(done)
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    return (len(times) - 1) * setup.batch / (times[-1] - times[0])
+    return Load((len(times) - 1) * setup.batch / (times[-1] - times[0]), client_cores)
 
 
 Cells = Sequence[tuple[int, int]]  # (split, clients)
@@ -142,7 +151,7 @@ def daemon_rates(setup: Setup, cores: int, dtype: str, cells: Cells) -> dict[tup
     log = setup.logs / f"daemon-{cores}c-{dtype}.log"
     with local_daemon(setup.store_url, log, extra_args=daemon_args(setup, cores, dtype), start_timeout_s=180) as url:
         for split, clients in cells:
-            rates[split, clients] = drive(url, setup, clients, split)
+            rates[split, clients] = drive(url, setup, clients, split).rate
             print(f"  cores {cores} {dtype:8s} split {split:2d} clients {clients:2d}: "
                   f"{rates[split, clients]:8.1f} samples/s", flush=True)
     return rates
@@ -260,6 +269,7 @@ def scaling(setup: Setup, cores: Sequence[int], clients: int, rounds: int, blobs
     each round also timing the bare work on the same cores (one process per core): the machine's
     speed drifts within minutes, so each ratio pairs windows taken side by side."""
     rates: dict[tuple[str, int, int], list[float]] = {}
+    client_cores: dict[tuple[int, int], list[float]] = {}
 
     def bare(c: int, split: int) -> float:
         pinned = first_cores(c)
@@ -274,23 +284,30 @@ def scaling(setup: Setup, cores: Sequence[int], clients: int, rounds: int, blobs
         for split in (0, setup.freeze):
             for _ in range(rounds):
                 for c in cores:
-                    for what in ("daemon", "bare"):
-                        rate = drive(urls[c], setup, clients, split) if what == "daemon" else bare(c, split)
-                        rates.setdefault((what, c, split), []).append(rate)
-                        print(f"  {what:6s} --cores {c} split {split:2d}: {rate:8.1f} samples/s", flush=True)
+                    load = drive(urls[c], setup, clients, split)
+                    client_cores.setdefault((c, split), []).append(load.client_cores)
+                    rates.setdefault(("daemon", c, split), []).append(load.rate)
+                    rates.setdefault(("bare", c, split), []).append(bare(c, split))
+                    print(f"  daemon --cores {c} split {split:2d}: {load.rate:8.1f} samples/s "
+                          f"(its clients kept {load.client_cores:.2f} cores busy); "
+                          f"bare: {rates['bare', c, split][-1]:8.1f}", flush=True)
     low, high = cores[0], cores[-1]
     print(f"\n{setup.model} at {setup.spec.crop_size} px, {setup.batch}-sample requests, {clients} clients, "
           f"float32; samples/s, the median of {rounds} windows of {setup.seconds:g} s each; bare: the same work "
-          "in one process per core, no daemon\n")
+          "in one process per core, no daemon; clients' cores: what the clients kept busy of this host's cores, "
+          "which on a host without spare cores the daemon did not have\n")
     print("| work | " + " | ".join(f"--cores {c}" for c in cores) + f" | --cores {high} / --cores {low} | "
-          + " | ".join(f"bare, {c} cores" for c in cores) + f" | bare {high} / {low} |")
-    print("|---|" + "---|" * (2 * len(cores) + 2))
-    for split, name in ((0, "split 0 (fetch + decode + crop, uint8 wire)"), (setup.freeze, f"freeze index ({setup.freeze})")):
+          + " | ".join(f"bare, {c} cores" for c in cores) + f" | bare {high} / {low} | "
+          + " | ".join(f"clients' cores, --cores {c}" for c in cores) + " |")
+    print("|---|" + "---|" * (3 * len(cores) + 2))
+    for split, name in ((0, "split 0 (fetch + decode + crop, uint8 wire)"),
+                        (setup.freeze, f"freeze index ({setup.freeze})")):
         med = {(w, c): statistics.median(rates[w, c, split]) for w in ("daemon", "bare") for c in cores}
         print(f"| {name} | " + " | ".join(f"{med['daemon', c]:.1f}" for c in cores)
               + f" | {med['daemon', high] / med['daemon', low]:.2f}x | "
               + " | ".join(f"{med['bare', c]:.1f}" for c in cores)
-              + f" | {med['bare', high] / med['bare', low]:.2f}x |")
+              + f" | {med['bare', high] / med['bare', low]:.2f}x | "
+              + " | ".join(f"{statistics.median(client_cores[c, split]):.2f}" for c in cores) + " |")
 
 
 def _ints(text: str) -> list[int]:

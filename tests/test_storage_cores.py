@@ -223,4 +223,5 @@ def test_a_daemon_on_two_cores_answers_extract_requests(store: FileStore, tmp_pa
                 torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         # experiments/node_scale.py's clients, briefly: they count what this daemon serves.
         setup = Setup("resnet18", 11, SPEC, 4, 0.5, keys, store.url, tmp_path, ())
-        assert drive(daemon.url, setup, 2, 0) > 0
+        load = drive(daemon.url, setup, 2, 0)
+        assert load.rate > 0 and 0 < load.client_cores <= 2
