@@ -453,9 +453,12 @@ class OnlinePlanner:
         waiting = self.switches and self._arrived <= self._sent_at_switch
         if self._exploring is not None or waiting:
             return
-        # A pair's gain is a balance of two tiers' loads: the run moves to one only after a
-        # steady-state pace has calibrated the tiers (``_charge_unseen``), not on the profile's guess.
-        plans = [p for p in self.plans() if len(p.parts) == 1 or self._calibrated]
+        # A pair's gain is a balance of two tiers' loads over many batches: the run moves to
+        # one only once a steady-state pace has calibrated the tiers (``_charge_unseen``), and
+        # while the rest of the run holds a pipeline's worth of batches of its smaller share
+        # (with fewer, its parts' whole batches take turns on the tiers instead of overlapping).
+        plans = [p for p in self.plans() if len(p.parts) == 1 or (
+            self._calibrated and min(p.shares) * self.remaining >= self.batches_in_flight * self.batch_size)]
         incumbent = self._repriced(self.plan)
         incumbent_ms = self.expected_ms(incumbent)
         best = min(plans, key=self.run_ms)

@@ -224,6 +224,14 @@ def test_the_node_and_this_tier_share_the_batches_when_both_are_needed() -> None
     p.pick(BATCH)
     assert [c.split for c in p.plan.parts] == [0, 3] and p.plan.shares == pytest.approx((0.49, 0.51), abs=0.01)
     assert p.plan.pace_ms == pytest.approx(3.53, abs=0.01)
+    # With four batches in flight and eight left, the pair would save more than its fill,
+    # but the eight hold under four of split 0's share: too few for the parts to overlap,
+    # so the run stays as it is.
+    late = OnlinePlanner(PROFILE, FREEZE, BATCH, 14 * BATCH, RAW, batches_in_flight=4)
+    late.pick(BATCH)
+    late.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
+    steps(late, 5, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
+    assert late.remaining == 8 * BATCH and late.pick(BATCH).split == 3 and not late.switches
     sent = [p.pick(BATCH).split for _ in range(100)]
     assert abs(sent.count(0) - 49) <= 1  # each batch goes to the part furthest behind its share
 
