@@ -4,8 +4,8 @@ For one host (issue 22's table): a daemon on ``--cores`` cores, driven by 1, 4 a
 concurrent clients (each its own job, one extract request of ``--batch`` samples in
 flight at a time, as a trainer without overlap sends them), for the prefix to the
 model's freeze index in float32 and in bf16 and for split 0 (fetch + decode + crop
-only, shipped as uint8 like every split-0 request); and the bare capacities of the same cores: the prefix alone in one process at
-batch 32 on all of them, and decodes per second in one process per core (PIL's decode,
+only, shipped as uint8 like every split-0 request); and the bare capacities of the same
+cores: the prefix alone in one process at batch 32 on all of them, and decodes per second in one process per core (PIL's decode,
 resize and crop as the issue counted them, and the daemon's own ``preprocess``). A cell's
 share of its bare capacity is printed beside it.
 
