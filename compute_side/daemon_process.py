@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -99,16 +100,34 @@ def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path, timeout_s
     raise RuntimeError(f"storage daemon not healthy after {timeout_s:.0f} s; last log lines:\n" + _tail(log_path))
 
 
-def stop_process_group(process: subprocess.Popen) -> None:
-    """SIGTERM the process's group, SIGKILL it if it lingers."""
-    if process.poll() is not None:
-        return
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+def stop_process_group(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM the process's group and wait until every process in it is gone, SIGKILL what
+    lingers. The daemon leads the group; its decode workers and multiprocessing's resource
+    tracker (which ignores SIGTERM and leaves once the daemon's end of its pipe closes)
+    outlive it by a moment."""
+    _signal_group(process.pid, signal.SIGTERM)
+    if not _group_gone(process, timeout_s):
+        _signal_group(process.pid, signal.SIGKILL)
+        _group_gone(process, timeout_s)
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
+        os.killpg(pgid, signum)
+
+
+def _group_gone(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Whether the group led by ``process`` empties within ``timeout_s`` (reaping its leader)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        process.poll()  # a leader that exited stays in the group until it is reaped
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _tail(path: Path, lines: int = 20) -> str:

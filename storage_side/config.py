@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
-# From this many cores up, decoding runs in worker processes by default (see decode_workers).
-PROCESS_DECODE_FROM_CORES = 4
+# From this many cores up, decoding runs in worker processes by default (see decode_workers):
+# on 2 cores, threads of one process left split 0 at 1.48x its 1-core rate (the GIL), workers
+# reached 1.88x; on one core there is nothing to spread, and a worker only adds its IPC.
+PROCESS_DECODE_FROM_CORES = 2
 
 
 def _option(default: Any, help: str, **kwargs: Any) -> Any:  # noqa: A002  (argparse's name)
@@ -57,9 +59,8 @@ class DaemonConfig:
     decode_workers: int | None = _option(
         None, "processes that decode and transform images (one core each, off the daemon's GIL; each holds "
               "~350 MB of its own, its interpreter and torch, counted in the memory budget); 0 decodes on one "
-              "thread per core of the daemon's own process instead. Default: one process per core from 4 cores "
-              "up; threads below, where the GIL is not yet what limits decoding and the memory is better left to "
-              "requests")
+              "thread per core of the daemon's own process instead. Default: one process per core from 2 cores "
+              "up; on one core, threads (a worker would only add its IPC and its memory)")
     torch_threads: int = _option(
         0, "intra-op threads of each forward pass; 0: the cores divided among the passes running at once, "
            "read at each sub-batch (all of them for a request alone, one each when every compute slot is busy)")
@@ -154,7 +155,7 @@ class DaemonConfig:
         return max(1, self.core_count() // (self.torch_threads or 1))
 
     def decode_processes(self) -> int:
-        """Decode worker processes: ``decode_workers``, or (auto) one per core from 4 cores up; 0: threads."""
+        """Decode worker processes: ``decode_workers``, or (auto) one per core from 2 cores up; 0: threads."""
         if self.decode_workers is not None:
             return self.decode_workers
         return self.core_count() if self.core_count() >= PROCESS_DECODE_FROM_CORES else 0

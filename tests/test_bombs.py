@@ -43,10 +43,11 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> FileStore:
 
 
 def _app(store: FileStore, **options: object) -> Flask:
+    # Decoding on threads: the budgets in this file are sized for the daemon's one process.
     budget = process_rss_bytes() + 400 * MB
     options = {"max_image_pixels": 4_000_000, "max_object_bytes": 256 << 10, **options}
     return create_app(DaemonConfig(store_url=store.url, memory_budget=budget, memory_headroom=0, io_threads=2,
-                                   **options))
+                                   decode_workers=0, **options))
 
 
 def _extract(client, keys: list[str]):
@@ -96,7 +97,7 @@ def test_objects_larger_than_their_estimate_are_charged_before_they_are_read(sto
     for i in range(16):
         store.put(f"big/{i}.jpg", render_jpeg(i % 10, i) + b"\x00" * (250 << 10))
     app = create_app(DaemonConfig(store_url=store.url, memory_budget=process_rss_bytes() + 120 * MB,
-                                  memory_headroom=0, io_threads=2, max_object_bytes=1 << 20))
+                                  memory_headroom=0, io_threads=2, max_object_bytes=1 << 20, decode_workers=0))
     client = app.test_client()
     assert _extract(client, [_good_key(store)]).status_code == 200  # the model loads: ~45 MB of weights
     admission = app.extensions["hapi"]["admission"]
@@ -123,13 +124,13 @@ def test_profile_abuse_is_bounded(store, body, status, code) -> None:
 
 # --- a real daemon: the kernel's count of its memory --------------------------------
 
-BUDGET = 1_300_000_000  # the idle daemon (python, torch, waitress) takes ~0.6 GB of it
+BUDGET = 1_300_000_000  # the idle daemon (python, torch, waitress; decoding on threads) takes ~0.6 GB of it
 
 
 @pytest.fixture(scope="module")
 def daemon(store: FileStore, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("logs") / "daemon.log"
-    args = ("--memory-budget", str(BUDGET), "--io-threads", "2", "--torch-threads", "1")
+    args = ("--memory-budget", str(BUDGET), "--io-threads", "2", "--torch-threads", "1", "--decode-workers", "0")
     with local_daemon(store.url, log, extra_args=args) as url:
         yield url
 

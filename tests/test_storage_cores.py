@@ -172,6 +172,8 @@ def test_slots_and_decoders_follow_the_cores() -> None:
     config = DaemonConfig(store_url="file:///x", cores=1)
     assert (config.core_count(), config.compute_slots(), config.decode_processes()) == (1, 1, 0)
     assert DaemonConfig(store_url="file:///x", cores=1, decode_workers=3).decode_processes() == 3
+    if len(CORES) >= 2:  # from two cores, one decode worker per core
+        assert DaemonConfig(store_url="file:///x", cores=2).decode_processes() == 2
     assert DaemonConfig(store_url="file:///x").compute_slots() == len(CORES)
 
 

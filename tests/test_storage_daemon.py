@@ -20,7 +20,7 @@ from hapi.transforms import TransformSpec
 from hapi.wire import TOKEN_ENV, ExtractRequest
 
 TOKEN = "daemon-test-token"
-BUDGET = 1_400_000_000  # the idle daemon (python, torch, gunicorn) takes ~0.6 GB of it
+BUDGET = 1_400_000_000  # the idle daemon (python, torch, gunicorn; decoding on threads) takes ~0.6 GB of it
 SPEC = TransformSpec(crop_size=128, resize_size=136)
 
 
@@ -37,8 +37,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     keys = tuple(s.key for s in make_synthetic(store, 7, 0).split("train"))
     log = tmp_path_factory.mktemp("logs") / "daemon.log"
     # As many running requests as jobs: memory, not the running limit, is what must hold them back.
-    args = ("--memory-budget", str(BUDGET), "--max-sub-batch", "16", "--io-threads", "2", "--torch-threads", "2",
-            "--max-running", "12", "--max-keys-per-request", "64", "--log-format", "json")
+    # Decoding on threads: the budget is sized for the daemon's one process.
+    args = ("--memory-budget", str(BUDGET), "--decode-workers", "0", "--max-sub-batch", "16", "--io-threads", "2",
+            "--torch-threads", "2", "--max-running", "12", "--max-keys-per-request", "64", "--log-format", "json")
     with local_daemon(store.url, log, extra_args=args, env={TOKEN_ENV: TOKEN}) as url:
         yield Node(url, keys, log)
 

@@ -44,10 +44,11 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
 
 
 def _app(data: Data, capacity: int | None = None, **options: object) -> Flask:
-    """An app whose reservations may take ``capacity`` bytes (no headroom), or the default budget."""
+    """An app whose reservations may take ``capacity`` bytes (no headroom), or the default budget.
+    It decodes on threads: ``capacity`` is what is left beside the daemon's one process."""
     budget = None if capacity is None else process_rss_bytes() + capacity
     return create_app(DaemonConfig(store_url=data.store.url, memory_budget=budget, memory_headroom=0,
-                                   io_threads=2, **options))
+                                   io_threads=2, decode_workers=0, **options))
 
 
 def _extract(client: FlaskClient, keys, job: str = "default", spec: TransformSpec = SPEC, **headers: str):
