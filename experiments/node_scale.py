@@ -5,9 +5,10 @@ concurrent clients (each its own job, one extract request of ``--batch`` samples
 flight at a time, as a trainer without overlap sends them), for the prefix to the
 model's freeze index in float32 and in bf16 and for split 0 (fetch + decode + crop
 only, shipped as uint8 like every split-0 request); and the bare capacities of the same
-cores: the prefix alone in one process at batch 32 on all of them, and decodes per second in one process per core (PIL's decode,
-resize and crop as the issue counted them, and the daemon's own ``preprocess``). A cell's
-share of its bare capacity is printed beside it.
+cores: the prefix alone in one process at batch 32 on all of them, and decodes per
+second in one process per core (PIL's decode, resize and crop as the issue counted them,
+and the daemon's own ``preprocess``). A cell's share of its bare capacity is printed
+beside it.
 
 ``--scaling 1,2`` adds, in the same run, the daemon at ``--cores 1`` against ``--cores 2``
 at 4 clients (split 0 and the freeze index, float32), and the ratio of their throughputs:
