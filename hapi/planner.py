@@ -341,14 +341,10 @@ class OnlinePlanner:
         if reply.split != ALL_IN_COMPUTE:
             t = reply.timings
             forward = t.get("forward_ms", 0.0) / reply.samples
-            # In a full pipeline the next request's objects are fetched while this one's prefix
-            # runs, and the slower of the two paces the node. The first reply ran alone: its
-            # fetch and its compute ran one after the other, and nothing yet shows whether the
-            # node can overlap them (a store serving from the same cores cannot: there, each
-            # stretches to the length of both), so it is priced as it ran. A wait behind other
-            # jobs makes it a slower node.
-            fetch, turn = t.get("fetch_ms", 0.0), t.get("decode_wait_ms", 0.0) + t.get("forward_ms", 0.0)
-            busy = ((max(fetch, turn) if self.settled else fetch + turn) + t.get("encode_ms", 0.0)
+            # The next request's objects are fetched while this one's prefix runs: the slower
+            # of the two paces the node; a wait behind other jobs makes it a slower node.
+            turn = t.get("decode_wait_ms", 0.0) + t.get("forward_ms", 0.0)
+            busy = (max(t.get("fetch_ms", 0.0), turn) + t.get("encode_ms", 0.0)
                     + t.get("shared_wait_ms", 0.0)) / reply.samples
             prefix_ms = sum((self.conditions.node_forward_ms or self.profile.forward_ms)[:reply.split])
             if prefix_ms > 0 and forward > 0:

@@ -126,21 +126,6 @@ def test_the_first_reply_moves_the_run_off_the_safe_start_when_the_link_is_fast_
     assert "predicted" in p.switches[-1][2]
 
 
-def test_the_first_reply_ran_alone_so_its_fetch_and_compute_add_up_and_later_ones_overlap() -> None:
-    p = planner()
-    p.pick(BATCH)
-    # Per sample: the store took 10 ms, decoding 2 and split 3's stages 3. Alone, the node
-    # spent them one after the other: 12 ms beside its prefix.
-    timings = {"fetch_ms": 10.0 * BATCH, **node_timings(3, BATCH, 1.0)}
-    p.arrived(reply(3, BATCH, 0.0, 0.01, **timings))
-    assert p.conditions.node_fixed_ms == pytest.approx(12.0)
-    # In a full pipeline the next fetch runs during this compute: the fetch's 10 ms pace
-    # the node, 7 beside its prefix, and those readings outnumber the lone one.
-    for start in (1.0, 2.0):
-        p.arrived(reply(3, BATCH, start, 0.01, **timings))
-    assert p.conditions.node_fixed_ms == pytest.approx(7.0)
-
-
 def test_a_slow_link_keeps_the_run_where_it_started() -> None:
     p = planner()
     p.pick(BATCH)
