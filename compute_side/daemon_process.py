@@ -108,7 +108,8 @@ def stop_process_group(process: subprocess.Popen, timeout_s: float = 10.0) -> No
     _signal_group(process.pid, signal.SIGTERM)
     if not _group_gone(process, timeout_s):
         _signal_group(process.pid, signal.SIGKILL)
-        _group_gone(process, timeout_s)
+        if not _group_gone(process, timeout_s):
+            log.warning("process group %d outlived SIGKILL by %.0f s", process.pid, timeout_s)
 
 
 def _signal_group(pgid: int, signum: int) -> None:

@@ -17,8 +17,8 @@ import torch
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # From this many cores up, decoding runs in worker processes by default (see decode_workers):
-# on 2 cores, threads of one process left split 0 at 1.48x its 1-core rate (the GIL), workers
-# reached 1.88x; on one core there is nothing to spread, and a worker only adds its IPC.
+# on 2 cores they serve split 0 at 1002 samples/s against threads' 924 (the GIL); on one
+# core there is nothing to spread, and a worker only adds its IPC (547 against a thread's 610).
 PROCESS_DECODE_FROM_CORES = 2
 
 
@@ -58,7 +58,7 @@ class DaemonConfig:
            "node; every count below that defaults to the cores follows it. 0: all of them")
     decode_workers: int | None = _option(
         None, "processes that decode and transform images (one core each, off the daemon's GIL; each holds "
-              "~350 MB of its own, its interpreter and torch, counted in the memory budget); 0 decodes on one "
+              "~390 MB of its own, its interpreter and torch, counted in the memory budget); 0 decodes on one "
               "thread per core of the daemon's own process instead. Default: one process per core from 2 cores "
               "up; on one core, threads (a worker would only add its IPC and its memory)")
     torch_threads: int = _option(
