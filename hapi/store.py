@@ -11,6 +11,7 @@ import errno
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import BinaryIO, Protocol
 from urllib.parse import urlparse
@@ -58,12 +59,19 @@ class FileStore:
 
     @property
     def url(self) -> str:
-        return self.root.resolve().as_uri()
+        return self.resolved_root.as_uri()
+
+    @cached_property
+    def resolved_root(self) -> Path:
+        return self.root.resolve()  # once: resolving walks every component of the path
 
     def _path(self, key: str) -> Path:
-        path = (self.root / key).resolve()
-        # A key must not climb out of the store ("../../etc/passwd").
-        if not path.is_relative_to(self.root.resolve()):
+        # A key must not climb out of the store ("../../etc/passwd"). A key of plain names
+        # cannot; any other is resolved (a system call per component) and checked.
+        if key and all(part not in ("", ".", "..") for part in key.split("/")):
+            return self.resolved_root / key
+        path = (self.resolved_root / key).resolve()
+        if not path.is_relative_to(self.resolved_root):
             raise MissingObjectError(key)
         return path
 

@@ -373,6 +373,8 @@ class Extractor:
         with torch.inference_mode(), autocast_context(self.compute_dtype, self.device):
             out = stages(inputs)
         del inputs  # on a GPU, its copy there is freed before the features are copied off
+        if features is None and len(out) == n and out.dtype == dtype and out.device.type == "cpu":
+            return out  # the whole request in one sub-batch (at split 0, the decoded crops): no copy
         if features is None:
             features = torch.empty((n, *out.shape[1:]), dtype=dtype)
         features[start: start + len(out)] = out

@@ -4,9 +4,11 @@ Three kinds of work share a node's cores: decoding images (split 0 is nothing el
 running the frozen prefix, and serving HTTP. Decoding runs either on threads of the
 daemon's own process (torchvision's decoders and torch's resize release the GIL, but
 reading headers and dispatching each op hold it) or in worker processes, one per core,
-which hold no GIL of the daemon's at all. A worker writes its samples' normalised
-tensors straight into the sub-batch's buffer in shared memory, so the decoded pixels are
-never pickled or copied between processes; only the encoded bytes travel to it.
+which hold no GIL of the daemon's at all. A sub-batch's encoded bytes go to the workers
+in a file in shared memory, and each worker writes its samples' tensors straight into the
+sub-batch's output buffer there: neither is pickled or pushed through the pool's one pipe,
+which carries only names and offsets (through that pipe, a worker waited for its next
+task's megabytes while the daemon's feeder thread wrote them).
 
 Forward passes take turns, one per compute slot; each runs on its share of the cores.
 """
@@ -24,7 +26,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from itertools import count
+from itertools import accumulate, count
 from typing import Protocol
 
 import torch
@@ -36,7 +38,9 @@ from storage_side.memory import process_private_bytes, return_freed_memory_promp
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"  # tmpfs: a sub-batch's buffer never touches a disk
+SHM_DIR = "/dev/shm"  # tmpfs: a sub-batch's buffers never touch a disk
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 16  # buffers per writev
+INPUTS = ".in"  # the suffix of the file of a sub-batch's encoded bytes, beside its output buffer
 
 
 def pin_cores(count: int) -> list[int]:
@@ -200,16 +204,21 @@ def _warm_up() -> int:
     return os.getpid()
 
 
-def _decode_into(path: str, shape: tuple[int, ...], start: int, blobs: Sequence[bytes], keys: Sequence[str],
-                 spec: TransformSpec, epoch: int, max_pixels: int, normalized: bool) -> None:
-    """Decode samples ``start...`` of a sub-batch into its buffer at ``path``; runs in a worker."""
+def _decode_into(path: str, shape: tuple[int, ...], start: int, extents: Sequence[tuple[int, int]],
+                 keys: Sequence[str], spec: TransformSpec, epoch: int, max_pixels: int, normalized: bool) -> None:
+    """Decode samples ``start...`` of a sub-batch, whose encoded bytes lie at ``extents``
+    (offset, length) of the file ``path + INPUTS``, into its buffer at ``path``; runs in a worker."""
     with open(path, "r+b") as f:
         buffer = mmap.mmap(f.fileno(), 0)
     out = torch.frombuffer(buffer, dtype=_buffer_dtype(normalized)).view(shape)
     decode = preprocess if normalized else decode_crop
     try:
-        for i, (blob, key) in enumerate(zip(blobs, keys, strict=True)):
-            out[start + i] = decode(blob, key, spec, epoch, max_pixels)
+        inputs = os.open(path + INPUTS, os.O_RDONLY)
+        try:
+            for i, ((offset, length), key) in enumerate(zip(extents, keys, strict=True)):
+                out[start + i] = decode(os.pread(inputs, length, offset), key, spec, epoch, max_pixels)
+        finally:
+            os.close(inputs)
     finally:
         del out  # no view of the mapping may outlive it, not even in a traceback
         buffer.close()
@@ -220,24 +229,33 @@ def _buffer_dtype(normalized: bool) -> torch.dtype:
 
 
 class _SharedBatch:
-    """A sub-batch being decoded by workers into a file on tmpfs, mapped here too."""
+    """A sub-batch being decoded by workers from a file on tmpfs (its encoded bytes, one
+    after another) into another (its tensors), mapped here too."""
 
-    def __init__(self, path: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    def __init__(self, path: str, shape: tuple[int, ...], dtype: torch.dtype, blobs: Sequence[bytes]) -> None:
         self.path = path
         self.shape = shape
         self.dtype = dtype
         self.futures: list[Future[None]] = []
+        offsets = list(accumulate(map(len, blobs), initial=0))
+        self.extents = list(zip(offsets, map(len, blobs)))
         nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            # Allocated now: a full tmpfs fails here, not as a SIGBUS in a worker writing to it.
-            os.posix_fallocate(fd, 0, nbytes)
-            self.buffer = mmap.mmap(fd, nbytes)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                # Allocated now: a full tmpfs fails here, not as a SIGBUS in a worker writing to it.
+                os.posix_fallocate(fd, 0, nbytes)
+                self.buffer = mmap.mmap(fd, nbytes)
+            finally:
+                os.close(fd)
+            fd = os.open(path + INPUTS, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                _write_all(fd, blobs)  # a full tmpfs fails here, as ENOSPC
+            finally:
+                os.close(fd)
         except OSError:
-            os.unlink(path)
+            self._unlink()
             raise
-        finally:
-            os.close(fd)
 
     def result(self) -> torch.Tensor:
         try:
@@ -256,9 +274,21 @@ class _SharedBatch:
         self._unlink()
 
     def _unlink(self) -> None:
-        # Workers open the file by name only while decoding: once they are done, the name goes.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        # Workers open the files by name only while decoding: once they are done, the names go.
+        for path in (self.path, self.path + INPUTS):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _write_all(fd: int, blobs: Sequence[bytes]) -> None:
+    """Write ``blobs`` one after another, in as few system calls as the kernel takes them."""
+    views = [memoryview(blob) for blob in blobs if blob]
+    while views:
+        written = os.writev(fd, views[:IOV_MAX])
+        while written and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if written:
+            views[0] = views[0][written:]
 
 
 class ProcessDecoder:
@@ -289,7 +319,7 @@ class ProcessDecoder:
         n = len(keys)
         try:
             batch = _SharedBatch(f"{SHM_DIR}/hapi-decode-{os.getpid()}-{next(self._names)}",
-                                 (n, 3, spec.crop_size, spec.crop_size), _buffer_dtype(normalized))
+                                 (n, 3, spec.crop_size, spec.crop_size), _buffer_dtype(normalized), blobs)
         except OSError as exc:
             # A container's /dev/shm is often 64 MB: decode here, on threads, rather than fail.
             with self._lock:
@@ -305,7 +335,7 @@ class ProcessDecoder:
             raise RuntimeError("the decode workers are not started")
         try:
             for lo, hi in zip(bounds, bounds[1:]):
-                batch.futures.append(pool.submit(_decode_into, batch.path, batch.shape, lo, blobs[lo:hi],
+                batch.futures.append(pool.submit(_decode_into, batch.path, batch.shape, lo, batch.extents[lo:hi],
                                                  keys[lo:hi], spec, epoch, max_pixels, normalized))
         except BrokenProcessPool:
             batch.cancel()

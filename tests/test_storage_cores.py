@@ -27,6 +27,7 @@ from hapi.store import FileStore
 from hapi.synthetic import render_jpeg
 from hapi.transforms import CorruptImageError, TransformSpec, decode_crop, preprocess
 from hapi.wire import ExtractRequest
+from storage_side import parallel
 from storage_side.app import create_app
 from storage_side.config import DaemonConfig
 from storage_side.errors import Busy
@@ -92,6 +93,16 @@ def test_a_corrupt_image_in_a_worker_is_reported_by_its_key(decoder: ProcessDeco
         decoder.submit(blobs, ["good", "bad"], SPEC, 0, 1 << 26).result()
     assert caught.value.key == "bad"
     assert not list(Path("/dev/shm").glob(f"hapi-decode-{os.getpid()}-*"))  # no buffer left behind
+
+
+def test_no_room_in_shared_memory_decodes_on_threads(decoder: ProcessDecoder, monkeypatch) -> None:
+    # The output buffer is created, the file for the encoded bytes cannot be: neither is left behind.
+    monkeypatch.setattr(parallel, "INPUTS", "/cannot-exist")
+    blobs, keys = [render_jpeg(3, 3), _png(4)], ["a", "b"]
+    got = decoder.submit(blobs, keys, SPEC, 0, 1 << 26).result()
+    assert torch.equal(got, torch.stack([preprocess(b, k, SPEC) for b, k in zip(blobs, keys, strict=True)]))
+    assert decoder._in_process is not None  # and it says so once, in the log
+    assert not list(Path("/dev/shm").glob(f"hapi-decode-{os.getpid()}-*"))
 
 
 def test_a_worker_that_dies_is_replaced(decoder: ProcessDecoder) -> None:

@@ -38,8 +38,18 @@ def test_s3_keys_live_under_the_prefix(swift_s3) -> None:
 def test_file_store_refuses_keys_that_climb_out(tmp_path) -> None:
     (tmp_path / "secret").write_bytes(b"x")
     store = FileStore(tmp_path / "store")
-    with pytest.raises(MissingObjectError):
-        store.get("../secret")
+    for key in ("../secret", "a/../../secret", "/" + str(tmp_path / "secret")):
+        with pytest.raises(MissingObjectError):
+            store.get(key)
+
+
+def test_file_store_follows_the_operators_symlinks(tmp_path) -> None:
+    # A data set linked into the store from another disk is the operator's to place there.
+    (tmp_path / "disk2").mkdir()
+    (tmp_path / "disk2" / "x.jpg").write_bytes(b"x")
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "set").symlink_to(tmp_path / "disk2")
+    assert FileStore(tmp_path / "store").get("set/x.jpg") == b"x"
 
 
 @pytest.mark.parametrize("url", ["http://x/y", "s3://", "bucket/prefix"])
