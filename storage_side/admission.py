@@ -71,6 +71,7 @@ class _Waiter:
     job: str
     need: int
     want: int
+    woken: threading.Condition  # on the admission's lock: a grant wakes its own waiter only
     granted: int = 0
 
 
@@ -94,7 +95,7 @@ class Admission:
         # Called with a number of bytes when waiters cannot fit: frees what it can (the
         # prefix cache evicts idle prefixes). It may release reservations re-entrantly.
         self.reclaim: Callable[[int], None] = lambda nbytes: None
-        self._cond = threading.Condition(threading.RLock())
+        self._lock = threading.RLock()
         self._lanes: dict[str, deque[_Waiter]] = {}
         self._turns: deque[str] = deque()  # jobs with waiters, in round-robin order
         self._dispatching = False
@@ -106,13 +107,13 @@ class Admission:
 
     @property
     def queue_depth(self) -> int:
-        with self._cond:
+        with self._lock:
             return sum(len(lane) for lane in self._lanes.values())
 
     @property
     def jobs_active(self) -> int:
         """Jobs with a request running or waiting."""
-        with self._cond:
+        with self._lock:
             return len(self._running.keys() | self._lanes.keys())
 
     def retry_after_s(self) -> int:
@@ -126,9 +127,9 @@ class Admission:
         """
         if need > self.capacity:
             raise ValueError(f"{need} bytes can never fit in a capacity of {self.capacity}")
-        waiter = _Waiter(job, need, max(need, want))
+        waiter = _Waiter(job, need, max(need, want), threading.Condition(self._lock))
         deadline = time.monotonic() + self.queue_timeout_s
-        with self._cond:
+        with self._lock:
             waiting = sum(len(lane) for lane in self._lanes.values())
             self._enqueue(waiter)
             self._dispatch()
@@ -143,7 +144,7 @@ class Admission:
                     raise Busy("queue_timeout", f"waited {self.queue_timeout_s:g} s for a turn with {need} bytes "
                                f"({self.free} of {self.capacity} free, {self.running} of {self.max_running} "
                                "requests running); retry later", self.retry_after_s())
-                self._cond.wait(remaining)
+                waiter.woken.wait(remaining)
         return Reservation(self, job, waiter.granted)
 
     def _enqueue(self, waiter: _Waiter) -> None:
@@ -170,7 +171,6 @@ class Admission:
             return
         self._dispatching = True
         try:
-            granted = False
             while self._turns and self.running < self.max_running:
                 job = self._turns[0]
                 waiter = self._lanes[job][0]
@@ -191,9 +191,7 @@ class Admission:
                     self._turns.append(job)
                 else:
                     del self._lanes[job]
-                granted = True
-            if granted:
-                self._cond.notify_all()
+                waiter.woken.notify()
         finally:
             self._dispatching = False
 
@@ -202,7 +200,7 @@ class Admission:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
 
     def _take_now(self, reservation: Reservation, extra: int) -> bool:
-        with self._cond:
+        with self._lock:
             if extra > self.free:
                 return False
             self._hold(extra)
@@ -212,7 +210,7 @@ class Admission:
             return True
 
     def _keep(self, reservation: Reservation) -> None:
-        with self._cond:
+        with self._lock:
             if reservation.job is None:
                 return
             self._forget(reservation.job, reservation.bytes)
@@ -233,7 +231,7 @@ class Admission:
             self._running.pop(job, None)
 
     def _give_back(self, reservation: Reservation, nbytes: int, held_s: float | None = None) -> None:
-        with self._cond:
+        with self._lock:
             self.reserved -= nbytes
             self._forget(reservation.job, nbytes)
             if held_s is not None and reservation.job is not None:
