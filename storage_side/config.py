@@ -17,8 +17,8 @@ import torch
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # From this many cores up, decoding runs in worker processes by default (see decode_workers):
-# on 2 cores they serve split 0 at 1002 samples/s against threads' 924 (the GIL); on one
-# core there is nothing to spread, and a worker only adds its IPC (547 against a thread's 610).
+# on 2 cores workers serve split 0 faster than threads, which share the daemon's GIL; on one
+# core there is nothing to spread, and a worker only adds its IPC (experiments/results/node_scale/).
 PROCESS_DECODE_FROM_CORES = 2
 
 
