@@ -7,8 +7,8 @@ reading headers and dispatching each op hold it) or in worker processes, one per
 which hold no GIL of the daemon's at all. A sub-batch's encoded bytes go to the workers
 in a file in shared memory, and each worker writes its samples' tensors straight into the
 sub-batch's output buffer there: neither is pickled or pushed through the pool's one pipe,
-which carries only names and offsets (through that pipe, a worker waited for its next
-task's megabytes while the daemon's feeder thread wrote them).
+which carries only names and offsets (through it, a worker would wait for its next task's
+megabytes while the daemon's one feeder thread writes them).
 
 Forward passes take turns, one per compute slot; each runs on its share of the cores.
 """
@@ -240,22 +240,24 @@ class _SharedBatch:
         offsets = list(accumulate(map(len, blobs), initial=0))
         self.extents = list(zip(offsets, map(len, blobs)))
         nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                # Allocated now: a full tmpfs fails here, not as a SIGBUS in a worker writing to it.
-                os.posix_fallocate(fd, 0, nbytes)
-                self.buffer = mmap.mmap(fd, nbytes)
-            finally:
-                os.close(fd)
-            fd = os.open(path + INPUTS, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                _write_all(fd, blobs)  # a full tmpfs fails here, as ENOSPC
-            finally:
-                os.close(fd)
+            # Allocated now: a full tmpfs fails here, not as a SIGBUS in a worker writing to it.
+            os.posix_fallocate(fd, 0, nbytes)
+            self.buffer = mmap.mmap(fd, nbytes)
+            inputs = os.open(path + INPUTS, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        try:
+            _write_all(inputs, blobs)  # a full tmpfs fails here, as ENOSPC
         except OSError:
             self._unlink()
             raise
+        finally:
+            os.close(inputs)
 
     def result(self) -> torch.Tensor:
         try:
