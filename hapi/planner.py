@@ -158,36 +158,21 @@ def candidates(profile: HostProfile, freeze: int, conditions: Conditions, batch_
 
 
 def safest(options: list[Candidate], profile: HostProfile, freeze: int, conditions: Conditions,
-           batch_size: int, run_samples: int, compute_memory_budget: float = math.inf) -> Candidate:
-    """The candidate to start at while the link is unknown: the one whose worst cost to the
-    run, against the best start's, over every link in ``LINKS``, is least (minimax regret).
-    Ties (within 1% of the run) go to the one that moves fewer bytes.
-
-    The first batch goes alone, so its stages run one after the other: it reaches this tier
-    after the node's work and the link's, and this tier trains it while the next batch,
-    sent at the plan its reply shows best (``b``), is read and sent; from then on the run
-    goes at ``b``'s pace. So a start ``c`` costs a run of ``n`` batches, per sample,
-
-        storage(c) + transfer(c) + max(compute(c), storage(b) + transfer(b)) + (n - 1) pace(b)
-
-    A long run hardly notices where it started; a short one pays for a start whose lone
-    batch is slow (a deep split on a node slower than this tier, a large one on a slow link).
-    """
+           batch_size: int, compute_memory_budget: float = math.inf) -> Candidate:
+    """The candidate whose worst slowdown against the best, over every link in ``LINKS``,
+    is least (minimax regret): the choice to start with while the link is unknown. Ties go
+    to the one that moves fewer bytes."""
     feasible = [c for c in options if c.feasible]
     if not feasible:
         raise ValueError("no split fits the compute tier's memory; lower --batch-size")
-    later_batches = max(run_samples / batch_size - 1, 0.0)
     worst = dict.fromkeys((c.key for c in feasible), 1.0)
     for bandwidth in LINKS:
         at = replace(conditions, bandwidth=bandwidth)
-        priced = [price(profile, freeze, at, c.split, c.dtype, batch_size, compute_memory_budget) for c in feasible]
-        best = min(priced, key=lambda c: c.pace_ms)
-        next_arrives = best.storage_ms + best.transfer_ms
-        costs = {c.key: c.storage_ms + c.transfer_ms + max(c.compute_ms, next_arrives) + later_batches * best.pace_ms
-                 for c in priced}
-        least = min(costs.values())
-        for key, cost in costs.items():
-            worst[key] = max(worst[key], cost / least)
+        paces = {c.key: price(profile, freeze, at, c.split, c.dtype, batch_size, compute_memory_budget).pace_ms
+                 for c in feasible}
+        best = min(paces.values())
+        for key, pace in paces.items():
+            worst[key] = max(worst[key], pace / best)
     return min(feasible, key=lambda c: (round(worst[c.key], 2), c.bytes_per_sample))
 
 
@@ -310,8 +295,7 @@ class OnlinePlanner:
         self.remaining = run_samples  # samples the run has yet to send
         self.cached_samples = cached_samples
         self.explore_left = EXPLORE_SHARE * run_samples
-        start = safest(self.options(), profile, freeze, self.conditions, batch_size, run_samples,
-                       compute_memory_budget)
+        start = safest(self.options(), profile, freeze, self.conditions, batch_size, compute_memory_budget)
         self.plan = single(start)
         self.settled = False
         self.switches: list[tuple[int, Plan, str]] = []  # (samples sent before it, plan, why)
