@@ -92,8 +92,8 @@ class DaemonConfig:
               "at once, unqueued (the reference system's behaviour; for comparison only: it can run out of memory)")
     max_running: int = _option(
         0, "requests running at once (holding memory, fetching, decoding, computing); the rest wait their "
-           "turn. 0: one more than the compute slots (one per core, or per --torch-threads cores), so one "
-           "request fetches and decodes while the others compute")
+           "turn. 0: the compute slots (one per core, or per --torch-threads cores) and one more per decode "
+           "worker (at least one), so requests fetch and decode while the others compute")
     max_queue: int = _option(64, "requests waiting for memory, over all jobs; beyond it: 503 + Retry-After")
     queue_timeout_s: float = _option(30.0, "seconds a request may wait for memory before 503 + Retry-After")
     max_keys_per_request: int = _option(1024, "keys per extract request; beyond it: 413")
@@ -161,8 +161,10 @@ class DaemonConfig:
         return self.core_count() if self.core_count() >= PROCESS_DECODE_FROM_CORES else 0
 
     def running_limit(self) -> int:
-        """``max_running``, or (0: auto) one more than the compute slots."""
-        return self.max_running or self.compute_slots() + 1
+        """``max_running``, or (0: auto) the compute slots and one more per decode worker (at
+        least one more): a request decoding in a worker holds no slot, so each worker keeps
+        one request's decode going while the slots run prefixes."""
+        return self.max_running or self.compute_slots() + max(1, self.decode_processes())
 
 
 def resolve_device(name: str) -> torch.device:

@@ -150,7 +150,9 @@ def test_prefixes_take_turns_and_waits_behind_other_jobs_are_told_apart(data) ->
 def test_compute_slots_count_the_cores_this_process_may_use() -> None:
     cores = len(os.sched_getaffinity(0))
     assert DaemonConfig(store_url="file:///x", torch_threads=1).compute_slots() == cores
-    assert DaemonConfig(store_url="file:///x", torch_threads=1).running_limit() == cores + 1
+    assert DaemonConfig(store_url="file:///x", torch_threads=1, decode_workers=0).running_limit() == cores + 1
+    # Each decode worker keeps one more request's decode going beside the compute slots.
+    assert DaemonConfig(store_url="file:///x", torch_threads=1, decode_workers=3).running_limit() == cores + 3
     assert DaemonConfig(store_url="file:///x", torch_threads=cores).compute_slots() == 1
 
 
