@@ -43,6 +43,15 @@ class ObjectTooLargeError(ValueError):
 SizeCheck = Callable[[int | None], None]
 
 
+def is_plain_key(key: str) -> bool:
+    """A relative key whose segments are all names: no '', '.', '..', no leading '/' or backslash.
+
+    Such a key means the same object to every store (a file system, or an S3 server that
+    normalises paths), so a prefix check on it cannot be walked around.
+    """
+    return bool(key) and "\\" not in key and all(part not in ("", ".", "..") for part in key.split("/"))
+
+
 class ObjectStore(Protocol):
     url: str
 
@@ -66,9 +75,9 @@ class FileStore:
         return self.root.resolve()  # once: resolving walks every component of the path
 
     def _path(self, key: str) -> Path:
-        # A key must not climb out of the store ("../../etc/passwd"). A key of plain names
-        # cannot; any other is resolved (a system call per component) and checked.
-        if key and all(part not in ("", ".", "..") for part in key.split("/")):
+        # A key must not climb out of the store ("../../etc/passwd"). A plain key cannot; any
+        # other is resolved (a system call per component) and checked.
+        if is_plain_key(key):
             return self.resolved_root / key
         path = (self.resolved_root / key).resolve()
         if not path.is_relative_to(self.resolved_root):

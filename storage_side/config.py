@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from hapi.store import is_plain_key
+
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # From this many cores up, decoding runs in worker processes by default (see decode_workers):
 # on 2 cores workers serve split 0 faster than threads, which share the daemon's GIL; on one
@@ -196,15 +198,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:  # a host name: it may resolve to anything
         return False
-
-
-def is_plain_key(key: str) -> bool:
-    """A relative key whose segments are all names: no '', '.', '..', no leading '/' or backslash.
-
-    Such a key means the same object to every store (a file system, or an S3 server that
-    normalises paths), so a prefix check on it cannot be walked around.
-    """
-    return bool(key) and "\\" not in key and all(part not in ("", ".", "..") for part in key.split("/"))
 
 
 def usable_cpus() -> int:

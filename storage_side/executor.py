@@ -42,11 +42,10 @@ import torch
 
 from hapi.datasets import SHARD_SEPARATOR, read_samples
 from hapi.models import ModelSpec, UnknownModelError, get_spec
-from hapi.store import MissingObjectError, ObjectStore
+from hapi.store import MissingObjectError, ObjectStore, is_plain_key
 from hapi.transforms import check_pixels, preprocess_peak_bytes, read_header
 from hapi.wire import IMAGE_WIRE_DTYPES, WIRE_DTYPES, ExtractRequest, encode_features
 from storage_side.admission import Admission, Reservation
-from storage_side.config import is_plain_key
 from storage_side.errors import Busy, RequestError
 from storage_side.memory import CPU, PrefixMemory, SampleSizes, Staging, autocast_context, device_work
 from storage_side.parallel import ComputeTurns, Decoder, PendingBatch
