@@ -14,7 +14,7 @@ The cost model, per sample (a candidate is a split s, stages [0, s) on the stora
 or all-in-compute, which ships the raw objects):
 
     storage(s)  = (node_fixed + node_scale x forward[0, s)) / node_passes + node_unseen
-                                                  (all-in-compute: node_unseen, the store's serving)
+                  (all-in-compute: node_shared / node_passes + node_unseen, the store's serving)
     transfer(s) = bytes of stage s-1's output / bandwidth        (all-in-compute: the objects)
     compute(s)  = compute_scale x (forward[s, freeze) + train)    (all-in-compute: + decode)
     pace(s)     = max(storage, transfer, compute)
@@ -23,13 +23,16 @@ The stages overlap (the next batches are read while this one trains), so the slo
 sets the pace. ``forward``, ``train`` and ``decode`` are this host's measured profile
 (``hapi.measure``): a stage's share of the node's prefix is the model's, while the node's
 speed (``node_scale``, ``node_fixed``: from the node's own timings) and the bandwidth are
-learned from the replies. In steady state the pace is the real cost of the slowest stage,
-so what a run measures beyond the model's bottleneck is charged to a tier it can
-calibrate (see ``_charge_unseen``): to the node as a cost per sample its timings leave out
-(``node_unseen``: the store's CPU beside it, HTTP), to this tier as a factor on its
-profiled work (``compute_scale``: the loader's threads and the GIL beside the training
-step, batches smaller than the profile's). A request's node time is its own wall
-time, so the nodes' pace divides it by ``node_passes``: how many of the run's requests in
+learned from the replies. The node's replies also say what other processes took of its
+cores per sample (``node_shared``: a store beside it, doing its part of every read there):
+that work and the prefix share the cores one after the other, where a remote store's reads
+overlap the prefix; it is also what serving the raw objects costs the node. In steady
+state the pace is the real cost of the slowest stage, so what a run measures beyond the
+model's bottleneck is charged to a tier it can calibrate (see ``_charge_unseen``): to the
+node as a cost per sample its timings leave out (``node_unseen``: HTTP, the link's
+interrupts), to this tier as a factor on its profiled work (``compute_scale``: the
+loader's threads and the GIL beside the training step, batches smaller than the
+profile's). A request's node time is its own wall time, so the nodes' pace divides it by ``node_passes``: how many of the run's requests in
 flight the nodes run at once, from the compute slots each node reports (its forward passes
 at once; where they share the node's cores, each request's measured time already shows it).
 """
@@ -75,6 +78,7 @@ class Conditions:
     node_scale: float = 1.0  # the node's forward time per stage in the run / its profile
     node_fixed_ms: float | None = None  # the node's work per sample beside the prefix; None: this host's decode
     node_unseen_ms: float = 0.0  # per sample, the node's cost its timings leave out
+    node_shared_ms: float = 0.0  # per sample, other processes' CPU on the node's cores (a store beside it)
     node_passes: int = 1  # the run's requests the nodes run at once (their compute slots, within those in flight)
     compute_scale: float = 1.0  # this tier's cost in training / its profile
 
@@ -118,9 +122,10 @@ def price(profile: HostProfile, freeze: int, conditions: Conditions, split: int,
     bandwidth = conditions.bandwidth or math.inf
     work_ms = sum(forward[max(split, 0):freeze]) + profile.train_ms
     if split == ALL_IN_COMPUTE:
-        # The store serves the objects, which costs the storage host what every request
-        # costs it beyond the node's own timings; the link and this tier's decode do the rest.
-        per_sample, storage_ms, work_ms = conditions.raw_bytes, conditions.node_unseen_ms, work_ms + profile.decode_ms
+        # The store serves the objects: its work on the node's cores, and what every request
+        # costs the storage host beyond the node's timings; the link and this tier's decode do the rest.
+        storage_ms = conditions.node_shared_ms / conditions.node_passes + conditions.node_unseen_ms
+        per_sample, work_ms = conditions.raw_bytes, work_ms + profile.decode_ms
     else:
         elements = 3 * profile.input_size ** 2 if split == 0 else profile.output_elements[split - 1]
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
@@ -307,6 +312,7 @@ class OnlinePlanner:
         self._links: deque[tuple[float, float, int]] = deque(maxlen=RECENT)
         self._node_scales: deque[float] = deque(maxlen=RECENT)
         self._node_fixed: deque[float] = deque(maxlen=RECENT)
+        self._node_shared: deque[float] = deque(maxlen=RECENT)
         self._previous_plan: tuple | None = None
         self._filling = 0  # steps still to come before the pipeline runs in steady state
         self._arrived = 0  # samples whose replies arrived
@@ -341,11 +347,15 @@ class OnlinePlanner:
         if reply.split != ALL_IN_COMPUTE:
             t = reply.timings
             forward = t.get("forward_ms", 0.0) / reply.samples
-            # The next request's objects are fetched while this one's prefix runs: the slower
-            # of the two paces the node; a wait behind other jobs makes it a slower node.
+            # The next request's objects are fetched while this one's prefix runs, except the
+            # work others do for them on the node's cores (a store beside the node): the cores
+            # do that and the prefix one after the other, while the reads' waits overlap them.
+            # A wait behind other jobs makes it a slower node.
+            shared = t.get("others_cpu_ms", 0.0)
             turn = t.get("decode_wait_ms", 0.0) + t.get("forward_ms", 0.0)
-            busy = (max(t.get("fetch_ms", 0.0), turn) + t.get("encode_ms", 0.0)
+            busy = (max(t.get("fetch_ms", 0.0) - shared, turn + shared) + t.get("encode_ms", 0.0)
                     + t.get("shared_wait_ms", 0.0)) / reply.samples
+            self._node_shared.append(shared / reply.samples)
             prefix_ms = sum((self.conditions.node_forward_ms or self.profile.forward_ms)[:reply.split])
             if prefix_ms > 0 and forward > 0:
                 self._node_scales.append(forward / prefix_ms)
@@ -353,7 +363,8 @@ class OnlinePlanner:
         self.conditions = replace(
             self.conditions, bandwidth=bandwidth,
             node_scale=_median(self._node_scales, self.conditions.node_scale),
-            node_fixed_ms=_median(self._node_fixed, self.conditions.node_fixed_ms))
+            node_fixed_ms=_median(self._node_fixed, self.conditions.node_fixed_ms),
+            node_shared_ms=_median(self._node_shared, self.conditions.node_shared_ms))
         self.settled = True
 
     def trained(self, samples: int, wait_s: float, compute_s: float) -> None:

@@ -33,6 +33,7 @@ a quarter of their float32 bytes; the compute tier normalises them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ from hapi.store import MissingObjectError, ObjectStore, is_plain_key
 from hapi.transforms import check_pixels, preprocess_peak_bytes, read_header
 from hapi.wire import IMAGE_WIRE_DTYPES, WIRE_DTYPES, ExtractRequest, encode_features
 from storage_side.admission import Admission, Reservation
+from storage_side.core_share import CoreShare
 from storage_side.errors import Busy, RequestError
 from storage_side.memory import CPU, PrefixMemory, SampleSizes, Staging, autocast_context, device_work
 from storage_side.parallel import ComputeTurns, Decoder, PendingBatch
@@ -163,6 +165,7 @@ class Extractor:
                  dataset_prefixes: tuple[str, ...] = (), device: torch.device = CPU,
                  device_admission: Admission | None = None) -> None:
         self.store = store
+        self.core_share = CoreShare(os.sched_getaffinity(0), decoder.pids)  # what others take of its cores
         self.device = device
         self.device_admission = device_admission  # GPU memory, on a CUDA device with adaptation
         self.max_image_pixels = max_image_pixels
@@ -287,6 +290,35 @@ class Extractor:
     def _run(self, request: ExtractRequest, prefix: LoadedPrefix, cost: RequestCost, reservation: Reservation | None,
              gpu_reservation: Reservation | None, stats: RequestStats) -> bytes:
         timings = stats.timings
+        self.core_share.started()
+        try:
+            features = self._features(request, prefix, cost, reservation, gpu_reservation, stats)
+        except BaseException:
+            self.core_share.finished(0)
+            raise
+        n = len(request.keys)
+        others_ms = self.core_share.finished(n)
+        if others_ms is not None:
+            timings["others_cpu_ms"] = round(others_ms * n, 3)
+        # Of the time this request waited, the part spent behind other jobs' requests (a
+        # share by how many jobs are active): what a busy node costs this job. The rest was
+        # its own requests queueing behind each other, which the node's work already counts.
+        jobs = self.admission.jobs_active if self.admission else 1
+        waited_ms = timings.get("queue_ms", 0.0) + timings["turn_wait_ms"]
+        timings["shared_wait_ms"] = round(waited_ms * (1 - 1 / max(jobs, 1)), 3)
+        started = time.perf_counter()
+        stage_name = prefix.stage_names[request.split - 1] if request.split else "input"
+        metadata = {"split": request.split, "stage": stage_name, "timings": timings,
+                    "raw_bytes": stats.raw_bytes, "sub_batch": stats.sub_batch, "threads": stats.threads}
+        blob = encode_features(features, request.keys, metadata)
+        timings["encode_ms"] = _ms_since(started)
+        return blob
+
+    def _features(self, request: ExtractRequest, prefix: LoadedPrefix, cost: RequestCost,
+                  reservation: Reservation | None, gpu_reservation: Reservation | None,
+                  stats: RequestStats) -> torch.Tensor:
+        """Fetch, decode and run the prefix over the request's samples, in sub-batches."""
+        timings = stats.timings
         started = time.perf_counter()
         shards = {k.split(SHARD_SEPARATOR, 1)[0] for k in request.keys if SHARD_SEPARATOR in k}
         meter = None
@@ -347,20 +379,7 @@ class Extractor:
                 pending.cancel()
         timings["decode_wait_ms"] = round(decode_wait * 1e3, 3)
         timings["forward_ms"] = round(forward_s * 1e3, 3)
-
-        # Of the time this request waited, the part spent behind other jobs' requests (a
-        # share by how many jobs are active): what a busy node costs this job. The rest was
-        # its own requests queueing behind each other, which the node's work already counts.
-        jobs = self.admission.jobs_active if self.admission else 1
-        waited_ms = timings.get("queue_ms", 0.0) + timings["turn_wait_ms"]
-        timings["shared_wait_ms"] = round(waited_ms * (1 - 1 / max(jobs, 1)), 3)
-        started = time.perf_counter()
-        stage_name = prefix.stage_names[request.split - 1] if request.split else "input"
-        metadata = {"split": request.split, "stage": stage_name, "timings": timings,
-                    "raw_bytes": stats.raw_bytes, "sub_batch": sub_batch, "threads": stats.threads}
-        blob = encode_features(features, request.keys, metadata)
-        timings["encode_ms"] = _ms_since(started)
-        return blob
+        return features
 
     def _forward(self, stages: torch.nn.Module, inputs: torch.Tensor, features: torch.Tensor | None, start: int,
                  n: int, dtype: torch.dtype, on_device: bool) -> torch.Tensor:

@@ -119,6 +119,9 @@ class Decoder(Protocol):
     def submit(self, blobs: Sequence[bytes], keys: Sequence[str], spec: TransformSpec, epoch: int,
                max_pixels: int, normalized: bool = True) -> PendingBatch: ...
 
+    def pids(self) -> list[int]:
+        """The decoder's own processes (none for threads)."""
+
     def private_bytes(self) -> int:
         """Memory this decoder's processes hold beyond the daemon's own (0 for threads)."""
 
@@ -173,6 +176,9 @@ class ThreadDecoder:
         decode = preprocess if normalized else decode_crop
         return _ThreadBatch([self.pool.submit(decode, blob, key, spec, epoch, max_pixels)
                              for blob, key in zip(blobs, keys, strict=True)])
+
+    def pids(self) -> list[int]:
+        return []
 
     def private_bytes(self) -> int:
         return 0

@@ -351,3 +351,25 @@ def test_a_shared_plan_measured_slow_never_makes_the_node_look_slower() -> None:
     # sample, that would price split 3 alone at 33 ms, though nothing says the node slowed.
     steps(p, 6, 20.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
     assert p.conditions.node_unseen_ms == 0.0
+
+
+def test_a_store_on_the_node_s_cores_is_priced_beside_its_prefix_not_under_it() -> None:
+    # A fast link (128 MB/s) and a node as fast as this host, whose reads (4 ms a sample)
+    # overlap its decode and prefix (5 ms a sample at split 3): split 1 is best.
+    timings = {**node_timings(3, BATCH, 1.0), "fetch_ms": 4.0 * BATCH}
+    remote = planner()
+    remote.pick(BATCH)
+    remote.arrived(reply(3, BATCH, 0.0, 0.0005, **timings))
+    assert remote.pick(BATCH).split == 1 and remote.conditions.node_shared_ms == 0.0
+    # The same reads done by a store on the node's cores (the node says others took 4 ms a
+    # sample of them): its cores do them and the prefix one after the other, so the node is
+    # 4 ms a sample slower at every split, and split 0, the least prefix, is best.
+    beside = planner()
+    beside.pick(BATCH)
+    beside.arrived(reply(3, BATCH, 0.0, 0.0005, **timings, others_cpu_ms=4.0 * BATCH))
+    assert beside.conditions.node_shared_ms == pytest.approx(4.0)
+    assert beside.conditions.node_fixed_ms == pytest.approx(6.0)
+    assert beside.pick(BATCH).split == 0
+    # Serving the raw objects costs the node the store's part of the reads too.
+    aic = price(PROFILE, FREEZE, beside.conditions, ALL_IN_COMPUTE, "float32", BATCH)
+    assert aic.storage_ms == pytest.approx(4.0)
