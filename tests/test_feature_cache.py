@@ -152,7 +152,9 @@ def _trained(run_dir) -> dict:
 
 def test_later_epochs_move_no_bytes_and_train_the_same_head(tmp_path, capsys) -> None:
     # One sample a request: the daemon's sub-batch is one sample either way, so features
-    # received again in the second epoch equal the cached ones bit for bit.
+    # received again in the second epoch equal the cached ones up to the last bits, which on
+    # AVX-512 hosts depend on the intra-op threads the daemon gives each pass (its share of
+    # the cores at that moment). Features of another sample or split would miss by far more.
     common = [*SMALL, "--cache-dir", str(tmp_path / "cache"), "--split", "freeze", "--epochs", "2",
               "--request-size", "1"]
     cached, uncached = tmp_path / "cached", tmp_path / "uncached"
@@ -164,7 +166,7 @@ def test_later_epochs_move_no_bytes_and_train_the_same_head(tmp_path, capsys) ->
     assert all(s["wire_bytes"] == 0 and s["requests"] == 0 and "cache_ms" in s["source_ms"] for s in second)
     assert all(s["wire_bytes"] > 0 for s in _steps(uncached))
     for name, value in _trained(uncached).items():
-        assert torch.equal(_trained(cached)[name], value), name
+        torch.testing.assert_close(_trained(cached)[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_augment_says_why_training_features_are_not_kept(tmp_path, capsys) -> None:
