@@ -228,8 +228,9 @@ class Pipeline:
         return clients
 
     def _make_planner(self, epochs: int, clients: list[StorageClient]) -> OnlinePlanner:
-        """The online planner for ``epochs`` epochs, from this host's profile of the model
-        (shipped, saved, or measured now on copies of the stages, touching nothing the run trains)."""
+        """The online planner for ``epochs`` epochs, from a profile of the model (this host's
+        or another's of its kind, shipped or saved, else measured now on copies of the stages,
+        touching nothing the run trains)."""
         c = self.config
         crop = c.image_size or self.model.spec.input_size
         profile = host_profile(self.model, crop, c.cache_dir / "profiles", refresh=c.refresh_profile,

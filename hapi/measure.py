@@ -80,23 +80,57 @@ def profile_path(directory: Path, host: str, model: str, input_size: int) -> Pat
 
 def host_profile(model: StagedModel, input_size: int, cache_dir: Path, refresh: bool = False,
                  device: torch.device = CPU) -> HostProfile:
-    """This host's profile of ``model`` on ``device``: shipped, saved in ``cache_dir``, or
-    measured now (a few seconds, nothing over the network) and saved there."""
+    """The profile of ``model`` the planner starts from: this host's on ``device``, shipped
+    or saved in ``cache_dir``; else another host's of the same kind of device, model and
+    input size; else measured now (seconds before the first batch, nothing over the
+    network) and saved there. ``refresh`` measures this host whatever is saved.
+
+    Another host's profile serves because the planner takes only the stages' proportions
+    from it and learns each tier's speed from the run; measuring first would make every
+    new host's first job wait for it.
+    """
     host = host_name(device)
     if not refresh:
-        for directory in (SHIPPED_PROFILES, cache_dir):
-            path = profile_path(directory, host, model.spec.name, input_size)
-            if path.is_file():
-                try:
-                    return HostProfile.from_json(path.read_text())
-                except (TypeError, KeyError, ValueError) as exc:
-                    log.warning("measuring again: %s does not load (%s)", path, exc)
+        saved = [profile_path(directory, host, model.spec.name, input_size)
+                 for directory in (SHIPPED_PROFILES, cache_dir)]
+        kin = sorted((path for directory in (SHIPPED_PROFILES, cache_dir)
+                      for path in directory.glob(f"*/{model.spec.name}-{input_size}.json")
+                      if path not in saved and _same_kind(path.parent.name, host)),
+                     key=lambda path: (not _same_threads(path.parent.name, host), str(path)))
+        for path in saved + kin:
+            profile = _load(path)
+            if profile is not None:
+                if path in kin:
+                    log.info("no profile of %s: the planner starts from %s's (%s); "
+                             "python -m hapi.measure measures this host", host, profile.host, path)
+                return profile
     profile = measure_host(model, input_size, device=device)
     path = profile_path(cache_dir, host, model.spec.name, input_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
     log.info("profile of this host saved to %s", path)
     return profile
+
+
+def _same_kind(slug: str, host: str) -> bool:
+    """Whether a profile directory is of a host like ``host``: a GPU's for a GPU, a CPU's
+    for a CPU (their stages' proportions differ)."""
+    return slug.endswith("-cuda-bf16") == host.endswith(" cuda bf16")
+
+
+def _same_threads(slug: str, host: str) -> bool:
+    """Whether a CPU profile's directory was measured on as many torch threads as ``host``."""
+    return slug.endswith("-" + host.rsplit(" ", 1)[-1].lower())
+
+
+def _load(path: Path) -> HostProfile | None:
+    if not path.is_file():
+        return None
+    try:
+        return HostProfile.from_json(path.read_text())
+    except (TypeError, KeyError, ValueError) as exc:
+        log.warning("not using %s: it does not load (%s)", path, exc)
+        return None
 
 
 def measure_host(model: StagedModel, input_size: int, batch_size: int = PROFILE_BATCH,

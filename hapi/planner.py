@@ -19,22 +19,24 @@ or all-in-compute, which ships the raw objects):
     compute(s)  = compute_scale x (forward[s, freeze) + train)    (all-in-compute: + decode)
     pace(s)     = max(storage, transfer, compute)
 
-The stages overlap (the next batches are read while this one trains), so the slowest
-sets the pace. ``forward``, ``train`` and ``decode`` are this host's measured profile
-(``hapi.measure``): a stage's share of the node's prefix is the model's, while the node's
-speed (``node_scale``, ``node_fixed``: from the node's own timings) and the bandwidth are
-learned from the replies. The node's replies also say what other processes took of its
-cores per sample (``node_shared``: a store beside it, doing its part of every read there):
-that work and the prefix share the cores one after the other, where a remote store's reads
-overlap the prefix; it is also what serving the raw objects costs the node. In steady
-state the pace is the real cost of the slowest stage, so what a run measures beyond the
-model's bottleneck is charged to a tier it can calibrate (see ``_charge_unseen``): to the
-node as a cost per sample its timings leave out (``node_unseen``: HTTP, the link's
-interrupts), to this tier as a factor on its profiled work (``compute_scale``: the
-loader's threads and the GIL beside the training step, batches smaller than the
-profile's). A request's node time is its own wall time, so the nodes' pace divides it by ``node_passes``: how many of the run's requests in
-flight the nodes run at once, from the compute slots each node reports (its forward passes
-at once; where they share the node's cores, each request's measured time already shows it).
+The stages overlap (the next batches are read while this one trains), so the slowest sets
+the pace. ``forward``, ``train`` and ``decode`` are a measured profile (``hapi.measure``;
+this host's, or another's of its kind): a stage's share of the work is the model's, while
+the node's speed (``node_scale``, ``node_fixed``: from the node's own timings) and the
+bandwidth are learned from the replies, and this tier's speed (``compute_scale``) from its
+training steps against the profile's price of their stages. The node's replies also say
+what other processes took of its cores per sample (``node_shared``: a store beside it,
+doing its part of every read there): that work and the prefix share the cores one after
+the other, where a remote store's reads overlap the prefix; it is also what serving the
+raw objects costs the node. In steady state the pace is the real cost of the slowest
+stage, so what a run measures beyond the model's bottleneck is charged to a tier it can
+calibrate (see ``_charge_unseen``): to the node as a cost per sample its timings leave out
+(``node_unseen``: HTTP, the link's interrupts), to this tier as a further factor on its
+work (the loader's threads and the GIL beside the training step, all-in-compute's decode).
+A request's node time is its own wall time, so the nodes' pace divides it by
+``node_passes``: how many of the run's requests in flight the nodes run at once, from the
+compute slots each node reports (its forward passes at once; where they share the node's
+cores, each request's measured time already shows it).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class Conditions:
     node_unseen_ms: float = 0.0  # per sample, the node's cost its timings leave out
     node_shared_ms: float = 0.0  # per sample, other processes' CPU on the node's cores (a store beside it)
     node_passes: int = 1  # the run's requests the nodes run at once (their compute slots, within those in flight)
-    compute_scale: float = 1.0  # this tier's cost in training / its profile
+    compute_scale: float = 1.0  # this tier's cost in training / the profile's
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,8 @@ class OnlinePlanner:
         self._node_scales: deque[float] = deque(maxlen=RECENT)
         self._node_fixed: deque[float] = deque(maxlen=RECENT)
         self._node_shared: deque[float] = deque(maxlen=RECENT)
+        self._step_scales: deque[float] = deque(maxlen=RECENT)  # this tier's steps / the profile's
+        self._loader_factor = 1.0  # this tier's pace beyond its steps (see ``_charge_unseen``)
         self._previous_plan: tuple | None = None
         self._filling = 0  # steps still to come before the pipeline runs in steady state
         self._arrived = 0  # samples whose replies arrived
@@ -371,9 +375,14 @@ class OnlinePlanner:
         """Learn the plan's wall pace from one training step (its wait for data and its
         compute), and charge what the model does not explain to its bottleneck tier."""
         plan = self._training_picks.popleft() if self._training_picks else None
-        if plan != self._previous_plan:
+        first_step = plan != self._previous_plan
+        if first_step:
             self._filling = self.batches_in_flight
         self._previous_plan = plan
+        # A plan's first step also creates its stages' kernels: no reading of this tier's speed.
+        if plan is not None and samples == self.batch_size and not first_step and compute_s > 0:
+            self._step_scales.append(compute_s * 1e3 / samples / self._step_work_ms(plan))
+            self._rescale_compute()
         # The steps of a pipeline that (re)started waited for it to fill as well: while the
         # batches in flight are those sent when it started, a step is no reading of the pace.
         if self._filling > 0:
@@ -417,8 +426,22 @@ class OnlinePlanner:
             unseen = self.conditions.node_unseen_ms + wall_ms - loads[0]
             self.conditions = replace(self.conditions, node_unseen_ms=max(unseen, 0.0))
         elif loads[2] > 0:
-            scale = self.conditions.compute_scale * wall_ms / loads[2]
-            self.conditions = replace(self.conditions, compute_scale=max(scale, 1.0))
+            self._loader_factor = max(self._loader_factor * wall_ms / loads[2], 1.0)
+            self._rescale_compute()
+
+    def _step_work_ms(self, plan: tuple) -> float:
+        """Per sample, the profile's price of what a training step of ``plan`` (a plan's key)
+        runs: the frozen stages after each part's split, and the trainable ones."""
+        forward, freeze = self.profile.forward_ms, self.freeze
+        return sum(share * (sum(forward[max(split, 0):freeze]) + self.profile.train_ms)
+                   for (split, _), share in plan)
+
+    def _rescale_compute(self) -> None:
+        """This tier's factor on its profiled work: what its steps measure against the
+        profile (this host may not be the profile's), times what the pace showed beyond
+        them (the loader's threads and the GIL beside the step, and all-in-compute's decode)."""
+        step_scale = _median(self._step_scales, 1.0)
+        self.conditions = replace(self.conditions, compute_scale=step_scale * self._loader_factor)
 
     # -- the choice ------------------------------------------------------------------
 

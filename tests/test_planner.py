@@ -173,16 +173,45 @@ def test_measuring_this_host_changes_nothing_a_run_learns(tmp_path) -> None:
     assert len(saved) == 1 and HostProfile.from_json(saved[0].read_text()) == profile
 
 
+def test_a_host_without_a_profile_starts_from_another_host_s_of_its_kind_at_once(tmp_path, monkeypatch) -> None:
+    import torch
+
+    from hapi import measure
+    from hapi.models import build_model
+
+    def saved(host: str, size: int = 32) -> HostProfile:
+        profile = replace(PROFILE, host=host, model="resnet18", input_size=size)
+        path = measure.profile_path(tmp_path, host, "resnet18", size)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(profile.to_json())
+        return profile
+
+    def measure_host(*args, **kwargs) -> HostProfile:
+        raise AssertionError("measured before the first batch")
+
+    threads = f"x{torch.get_num_threads()}"
+    saved("Some GPU cuda bf16")  # a GPU's stages are in other proportions than a CPU's
+    saved("Another CPU x999")
+    same_threads = saved(f"Another CPU {threads}")
+    monkeypatch.setattr(measure, "measure_host", measure_host)
+    assert measure.host_profile(build_model("resnet18", input_size=32), 32, tmp_path) == same_threads
+    saved("Some GPU cuda bf16", size=48)
+    with pytest.raises(AssertionError, match="measured"):  # only a GPU's: this CPU is measured
+        measure.host_profile(build_model("resnet18", input_size=48), 48, tmp_path)
+
+
 CLOCK = itertools.count(1)  # seconds of a pretend clock: each reply on the link alone
 
 
-def steps(p: OnlinePlanner, count: int, ms_per_sample: float, link_s: float, **timings: float) -> None:
-    """``count`` batches sent, arrived (their replies taking ``link_s``) and trained at ``ms_per_sample``."""
+def steps(p: OnlinePlanner, count: int, ms_per_sample: float, link_s: float, step_ms: float = 0.5,
+          **timings: float) -> None:
+    """``count`` batches sent, arrived (their replies taking ``link_s``) and trained at
+    ``ms_per_sample``, of which the training step took ``step_ms``."""
     for _ in range(count):
         c = p.pick(BATCH)
         p.arrived(reply(c.split, BATCH, float(next(CLOCK)), link_s,
                         **(timings if c.split != ALL_IN_COMPUTE else {})))
-        p.trained(BATCH, BATCH * (ms_per_sample - 0.5) / 1e3, BATCH * 0.5 / 1e3)
+        p.trained(BATCH, BATCH * (ms_per_sample - step_ms) / 1e3, BATCH * step_ms / 1e3)
 
 
 def test_what_the_node_s_timings_leave_out_is_charged_to_the_node() -> None:
@@ -373,3 +402,18 @@ def test_a_store_on_the_node_s_cores_is_priced_beside_its_prefix_not_under_it() 
     # Serving the raw objects costs the node the store's part of the reads too.
     aic = price(PROFILE, FREEZE, beside.conditions, ALL_IN_COMPUTE, "float32", BATCH)
     assert aic.storage_ms == pytest.approx(4.0)
+
+
+def test_this_tier_is_priced_at_the_speed_its_own_steps_measure_not_the_profile_s_host() -> None:
+    # The profile may be another host's (hapi.measure lends one rather than measure before
+    # the first batch): at split 3 a step runs stage 3 and the head, 1.5 ms a sample by the
+    # profile; this host's steps take 0.75, and a 100 KB/s link keeps the run at split 3.
+    p = planner()
+    p.pick(BATCH)
+    p.arrived(reply(3, BATCH, 0.0, 0.64, **node_timings(3, BATCH, 1.0)))
+    p.trained(BATCH, 0.0, BATCH * 20.0 / 1e3)  # the plan's first step creates its kernels: no reading
+    assert p.conditions.compute_scale == 1.0
+    steps(p, 4, 640.0, 0.64, step_ms=0.75, **node_timings(3, BATCH, 1.0))
+    assert p.plan.parts[0].split == 3 and p.conditions.compute_scale == pytest.approx(0.5)
+    aic = next(c for c in p.options() if c.split == ALL_IN_COMPUTE)
+    assert aic.compute_ms == pytest.approx(0.5 * (4 * 1.0 + 0.5 + 2.0))

@@ -69,8 +69,9 @@ def test_a_load_waiting_for_gpu_memory_holds_no_host_memory_a_request_keeping_it
     blocker = host.admit("other", HOST_BLOCKED, HOST_BLOCKED)
     # The request asks for host memory only once the load waits for GPU memory, which it
     # cannot get while the request keeps the first prefix (and its weights) in use.
-    extractor = Extractor(None, cache, WaitsFor(host, lambda: gpu.queue_depth == 1), 1, SimpleNamespace(workers=1, pids=list),
-                          None, min_sub_batch=1, max_sub_batch=10, device=GPU, device_admission=gpu)
+    decoder = SimpleNamespace(workers=1, pids=list)
+    extractor = Extractor(None, cache, WaitsFor(host, lambda: gpu.queue_depth == 1), 1, decoder, None,
+                          min_sub_batch=1, max_sub_batch=10, device=GPU, device_admission=gpu)
     extractor.sample_sizes = SampleSizes(Staging(raw_per_sample=1, decode_peak=1))
     extractor.validate = lambda request: None
     extractor._run = lambda *args: b"features"
