@@ -52,7 +52,7 @@ from compute_side.feature_cache import DEFAULT_MAX_BYTES, CacheScope, FeatureCac
 from compute_side.loader import Batch, PipelinedLoader, batches_of, epoch_order
 from compute_side.sources import Planned, Sources
 from hapi.datasets import Sample
-from hapi.measure import host_profile
+from hapi.measure import host_name, host_profile, step_ratio
 from hapi.models import StagedModel, build_model
 from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner
 from hapi.store import open_store
@@ -233,8 +233,10 @@ class Pipeline:
         touching nothing the run trains)."""
         c = self.config
         crop = c.image_size or self.model.spec.input_size
-        profile = host_profile(self.model, crop, c.cache_dir / "profiles", refresh=c.refresh_profile,
-                               device=torch.device(c.device))
+        device = torch.device(c.device)
+        profile = host_profile(self.model, crop, c.cache_dir / "profiles", refresh=c.refresh_profile, device=device)
+        # Another host's profile: this tier's speed against it is timed while the first batch is in flight.
+        ratio = step_ratio(self.model, profile, device) if profile.host != host_name(device) else None
         # Rank 0 plans its own slices: the planner sees one rank's batches and samples.
         ranks = self.world.size if self.world else 1
         batch = -(-c.batch_size // ranks)
@@ -249,7 +251,7 @@ class Pipeline:
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
                              dtypes=tuple(dict.fromkeys((*(c.dtypes or (c.dtype,)), wire_dtype(0, c.dtype)))),
                              batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
-                             cached_samples=-(-cached // ranks))
+                             cached_samples=-(-cached // ranks), step_ratio=ratio)
 
     def train(self, epoch: int, done: int = 0) -> Iterator[Batch]:
         """The training batches of ``epoch``, shuffled from (seed, epoch), after the first

@@ -18,6 +18,7 @@ import platform
 import re
 import statistics
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -155,6 +156,27 @@ def measure_host(model: StagedModel, input_size: int, batch_size: int = PROFILE_
         )
 
 
+def step_ratio(model: StagedModel, profile: HostProfile, device: torch.device = CPU) -> Future[float]:
+    """This host's training step of ``model`` against ``profile``'s, a ratio of times: where
+    the profile is another host's, what this tier's work in it is scaled by here until the
+    run's own steps measure it. The stages are copied now; one step after a warm-up is
+    timed on a thread of its own (on this thread's torch threads), touching nothing a job
+    computes or draws, so that it runs while the job's first batch is in flight."""
+    stages = nn.Sequential(*copy.deepcopy(list(model.stages))).to(device)
+    freeze, threads = model.spec.freeze_index, torch.get_num_threads()
+
+    def timed() -> float:
+        torch.set_num_threads(threads)  # a new thread starts with torch's default
+        step_ms = time_training(stages, freeze, profile.input_size, PROFILE_BATCH, repeats=1, device=device,
+                                beside_a_job=True)
+        return step_ms / profile.train_ms
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="step-ratio")
+    future = pool.submit(timed)
+    pool.shutdown(wait=False)  # the thread ends with the step; nothing waits for it here
+    return future
+
+
 def _clock(device: torch.device) -> float:
     """perf_counter once the device has finished what it was given (kernels run async)."""
     if device.type == "cuda":
@@ -204,13 +226,17 @@ def time_decode(transform: TransformSpec, samples: int = 8) -> float:
 
 
 def time_training(stages: nn.Sequential, freeze: int, input_size: int, batch_size: int, repeats: int = 3,
-                  device: torch.device = CPU) -> float:
+                  device: torch.device = CPU, beside_a_job: bool = False) -> float:
     """Per-sample forward + backward + SGD step (ms) of stages [freeze, end), on their real
-    input. ``stages`` is changed: pass a copy."""
+    input. ``stages`` is changed: pass a copy. ``beside_a_job``: draw nothing from torch's
+    global generator (inputs from a private one, the trainable stages in eval mode, so no
+    dropout draws), so that it may run while a job trains."""
+    generator = torch.Generator(device=device) if beside_a_job else None
     with torch.inference_mode(), _autocast(device):
-        x = stages[:freeze].eval()(torch.randn(batch_size, 3, input_size, input_size, device=device))
+        inputs = torch.randn(batch_size, 3, input_size, input_size, device=device, generator=generator)
+        x = stages[:freeze].eval()(inputs)
     x = x.float().clone()  # out of inference mode, so autograd may use it
-    trainable = stages[freeze:].train()
+    trainable = stages[freeze:].train(not beside_a_job)
     optimizer = torch.optim.SGD(trainable.parameters(), lr=0.0)
     labels = torch.zeros(batch_size, dtype=torch.long, device=device)  # class 0 exists whatever the head's width
     times = []

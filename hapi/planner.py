@@ -45,6 +45,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from hapi.measure import HostProfile
@@ -286,12 +287,14 @@ class OnlinePlanner:
     def __init__(self, profile: HostProfile, freeze: int, batch_size: int, run_samples: int, raw_bytes: float,
                  dtypes: tuple[str, ...] = ("float32",), batches_in_flight: int = 1,
                  compute_memory_budget: float = math.inf, node_profile: HostProfile | None = None,
-                 cached_samples: int = 0, node_passes: int = 1) -> None:
-        """``profile``: this host's; ``node_profile``: the storage node's, where known (else
-        the node is priced as this host until its replies say otherwise); ``run_samples``:
-        the samples the run will send; ``cached_samples``: those of later epochs that a
-        feature cache will serve instead (they cost this tier's work on them alone);
-        ``node_passes``: the run's requests the nodes run at once."""
+                 cached_samples: int = 0, node_passes: int = 1, step_ratio: Future[float] | None = None) -> None:
+        """``profile``: this host's, or another's of its kind with ``step_ratio``: this host's
+        training step against the profile's, being measured (the first move waits for it);
+        ``node_profile``: the storage node's, where known (else the node is priced as this
+        host until its replies say otherwise); ``run_samples``: the samples the run will
+        send; ``cached_samples``: those of later epochs that a feature cache will serve
+        instead (they cost this tier's work on them alone); ``node_passes``: the run's
+        requests the nodes run at once."""
         self.profile, self.freeze, self.batch_size = profile, freeze, batch_size
         self.dtypes, self.memory_budget = dtypes, compute_memory_budget
         self.batches_in_flight = batches_in_flight
@@ -317,6 +320,7 @@ class OnlinePlanner:
         self._node_shared: deque[float] = deque(maxlen=RECENT)
         self._step_scales: deque[float] = deque(maxlen=RECENT)  # this tier's steps / the profile's
         self._loader_factor = 1.0  # this tier's pace beyond its steps (see ``_charge_unseen``)
+        self._step_ratio, self._host_scale = step_ratio, 1.0  # this host's speed against the profile's
         self._previous_plan: tuple | None = None
         self._filling = 0  # steps still to come before the pipeline runs in steady state
         self._arrived = 0  # samples whose replies arrived
@@ -440,7 +444,7 @@ class OnlinePlanner:
         """This tier's factor on its profiled work: what its steps measure against the
         profile (this host may not be the profile's), times what the pace showed beyond
         them (the loader's threads and the GIL beside the step, and all-in-compute's decode)."""
-        step_scale = _median(self._step_scales, 1.0)
+        step_scale = _median(self._step_scales, self._host_scale)
         self.conditions = replace(self.conditions, compute_scale=step_scale * self._loader_factor)
 
     # -- the choice ------------------------------------------------------------------
@@ -481,6 +485,9 @@ class OnlinePlanner:
         return chosen
 
     def _replan(self) -> None:
+        if self._step_ratio is not None:
+            self._host_scale, self._step_ratio = self._step_ratio.result(), None
+            self._rescale_compute()
         # After a move, the next waits for evidence from the new plan: a reply of a batch sent
         # after the move. A decision on the estimates of a pipeline in transition would chase
         # them. The first move, on the first reply, is the one that cannot wait.

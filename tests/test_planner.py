@@ -1,6 +1,7 @@
 """The cost model and the online policy, on toy profiles whose best split is known by construction."""
 
 import itertools
+from concurrent.futures import Future
 from dataclasses import replace
 
 import pytest
@@ -417,3 +418,30 @@ def test_this_tier_is_priced_at_the_speed_its_own_steps_measure_not_the_profile_
     assert p.plan.parts[0].split == 3 and p.conditions.compute_scale == pytest.approx(0.5)
     aic = next(c for c in p.options() if c.split == ALL_IN_COMPUTE)
     assert aic.compute_ms == pytest.approx(0.5 * (4 * 1.0 + 0.5 + 2.0))
+
+
+def test_with_another_host_s_profile_the_first_move_waits_for_this_host_s_step() -> None:
+    # A fast link and a node 3x slower than the profile: with this tier at the profile's
+    # speed, the node decoding (split 0) pays; with it 4x faster, this tier decodes too.
+    ratio = Future()
+    p = OnlinePlanner(PROFILE, FREEZE, BATCH, 10_000, RAW, batches_in_flight=2, step_ratio=ratio)
+    p.pick(BATCH)
+    p.arrived(reply(3, BATCH, 0.0, 0.0005, **node_timings(3, BATCH, 3.0)))
+    ratio.set_result(0.25)  # timed while the first batch was in flight
+    assert p.pick(BATCH).split == ALL_IN_COMPUTE and p.conditions.compute_scale == 0.25
+    same = OnlinePlanner(PROFILE, FREEZE, BATCH, 10_000, RAW, batches_in_flight=2)
+    same.pick(BATCH)
+    same.arrived(reply(3, BATCH, 0.0, 0.0005, **node_timings(3, BATCH, 3.0)))
+    assert same.pick(BATCH).split == 0
+
+
+def test_timing_this_host_s_step_beside_a_job_draws_nothing_from_its_generator() -> None:
+    import torch
+
+    from hapi.measure import step_ratio
+    from hapi.models import build_model
+
+    model = build_model("resnet18", input_size=32)
+    rng = torch.random.get_rng_state()
+    assert step_ratio(model, replace(PROFILE, input_size=32, train_ms=1.0)).result() > 0
+    assert torch.equal(torch.random.get_rng_state(), rng)
