@@ -157,19 +157,22 @@ def measure_host(model: StagedModel, input_size: int, batch_size: int = PROFILE_
 
 
 def step_ratio(model: StagedModel, profile: HostProfile, device: torch.device = CPU) -> Future[float]:
-    """This host's training step of ``model`` against ``profile``'s, a ratio of times: where
-    the profile is another host's, what this tier's work in it is scaled by here until the
-    run's own steps measure it. The stages are copied now; one step after a warm-up is
-    timed on a thread of its own (on this thread's torch threads), touching nothing a job
-    computes or draws, so that it runs while the job's first batch is in flight."""
+    """This host's frozen prefix and training step of ``model`` against ``profile``'s, a
+    ratio of times: where the profile is another host's, what this tier's work in it is
+    scaled by here until the run's own steps measure it. Both, because a head may be a
+    single small layer whose time says little of a convolution's. The stages are copied
+    now; one pass after a warm-up is timed on a thread of its own (on this thread's torch
+    threads), touching nothing a job computes or draws, so that it runs while the job's
+    first batch is in flight."""
     stages = nn.Sequential(*copy.deepcopy(list(model.stages))).to(device)
     freeze, threads = model.spec.freeze_index, torch.get_num_threads()
 
     def timed() -> float:
         torch.set_num_threads(threads)  # a new thread starts with torch's default
-        step_ms = time_training(stages, freeze, profile.input_size, PROFILE_BATCH, repeats=1, device=device,
-                                beside_a_job=True)
-        return step_ms / profile.train_ms
+        size = profile.input_size
+        forward_ms = time_forward(stages[:freeze], size, PROFILE_BATCH, repeats=1, device=device, beside_a_job=True)
+        step_ms = time_training(stages, freeze, size, PROFILE_BATCH, repeats=1, device=device, beside_a_job=True)
+        return (sum(forward_ms) + step_ms) / (sum(profile.forward_ms) + profile.train_ms)
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="step-ratio")
     future = pool.submit(timed)
@@ -200,12 +203,14 @@ def output_elements(stages: nn.Sequential, input_size: int) -> tuple[int, ...]:
 
 
 def time_forward(stages: nn.Sequential, input_size: int, batch_size: int, repeats: int = 3,
-                 device: torch.device = CPU) -> tuple[float, ...]:
-    """Per-sample forward time of each stage (ms), eval mode, median over ``repeats``."""
+                 device: torch.device = CPU, beside_a_job: bool = False) -> tuple[float, ...]:
+    """Per-sample forward time of each stage (ms), eval mode, median over ``repeats``;
+    ``beside_a_job``: the inputs drawn from a private generator."""
+    generator = torch.Generator(device=device) if beside_a_job else None
     runs: list[list[float]] = []
     with torch.inference_mode(), _autocast(device):
         for _ in range(repeats + 1):  # the first run warms caches and allocators up
-            x = torch.randn(batch_size, 3, input_size, input_size, device=device)
+            x = torch.randn(batch_size, 3, input_size, input_size, device=device, generator=generator)
             times = []
             for stage in stages.eval():
                 started = _clock(device)

@@ -289,7 +289,7 @@ class OnlinePlanner:
                  compute_memory_budget: float = math.inf, node_profile: HostProfile | None = None,
                  cached_samples: int = 0, node_passes: int = 1, step_ratio: Future[float] | None = None) -> None:
         """``profile``: this host's, or another's of its kind with ``step_ratio``: this host's
-        training step against the profile's, being measured (the first move waits for it);
+        prefix and step against the profile's, being timed (the first move waits for it);
         ``node_profile``: the storage node's, where known (else the node is priced as this
         host until its replies say otherwise); ``run_samples``: the samples the run will
         send; ``cached_samples``: those of later epochs that a feature cache will serve
