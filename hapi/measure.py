@@ -162,17 +162,24 @@ def step_ratio(model: StagedModel, profile: HostProfile, device: torch.device = 
     scaled by here until the run's own steps measure it. Both, because a head may be a
     single small layer whose time says little of a convolution's. The stages are copied
     now; one pass after a warm-up is timed on a thread of its own (on this thread's torch
-    threads), touching nothing a job computes or draws, so that it runs while the job's
-    first batch is in flight."""
+    threads), the step on that pass's features, touching nothing a job computes or draws,
+    so that it runs while the job's first batch is in flight."""
     stages = nn.Sequential(*copy.deepcopy(list(model.stages))).to(device)
     freeze, threads = model.spec.freeze_index, torch.get_num_threads()
 
     def timed() -> float:
         torch.set_num_threads(threads)  # a new thread starts with torch's default
-        size = profile.input_size
-        forward_ms = time_forward(stages[:freeze], size, PROFILE_BATCH, repeats=1, device=device, beside_a_job=True)
-        step_ms = time_training(stages, freeze, size, PROFILE_BATCH, repeats=1, device=device, beside_a_job=True)
-        return (sum(forward_ms) + step_ms) / (sum(profile.forward_ms) + profile.train_ms)
+        started, generator = time.perf_counter(), torch.Generator(device=device)
+        for _ in range(2):  # the first pass warms caches and allocators up
+            images = torch.randn(PROFILE_BATCH, 3, profile.input_size, profile.input_size, device=device,
+                                 generator=generator)
+            forward_ms, features = _timed_pass(stages[:freeze], images, device)
+        step_ms = time_training(stages, freeze, profile.input_size, PROFILE_BATCH, repeats=1, device=device,
+                                beside_a_job=True, features=features)
+        ratio = (sum(forward_ms) + step_ms) / (sum(profile.forward_ms) + profile.train_ms)
+        log.info("this tier runs %s's prefix and step at %.2fx the time of %s's profile (timed in %.1f s)",
+                 model.spec.name, ratio, profile.host, time.perf_counter() - started)
+        return ratio
 
     pool = ThreadPoolExecutor(1, thread_name_prefix="step-ratio")
     future = pool.submit(timed)
@@ -207,17 +214,22 @@ def time_forward(stages: nn.Sequential, input_size: int, batch_size: int, repeat
     """Per-sample forward time of each stage (ms), eval mode, median over ``repeats``;
     ``beside_a_job``: the inputs drawn from a private generator."""
     generator = torch.Generator(device=device) if beside_a_job else None
-    runs: list[list[float]] = []
-    with torch.inference_mode(), _autocast(device):
-        for _ in range(repeats + 1):  # the first run warms caches and allocators up
-            x = torch.randn(batch_size, 3, input_size, input_size, device=device, generator=generator)
-            times = []
-            for stage in stages.eval():
-                started = _clock(device)
-                x = stage(x)
-                times.append((_clock(device) - started) * 1e3 / batch_size)
-            runs.append(times)
+    runs = []
+    for _ in range(repeats + 1):  # the first run warms caches and allocators up
+        images = torch.randn(batch_size, 3, input_size, input_size, device=device, generator=generator)
+        runs.append(_timed_pass(stages, images, device)[0])
     return tuple(statistics.median(column) for column in zip(*runs[1:]))
+
+
+def _timed_pass(stages: nn.Sequential, x: torch.Tensor, device: torch.device) -> tuple[list[float], torch.Tensor]:
+    """Per-sample time of each stage (ms) on the batch ``x``, eval mode, and the output."""
+    times = []
+    with torch.inference_mode(), _autocast(device):
+        for stage in stages.eval():
+            started = _clock(device)
+            x = stage(x)
+            times.append((_clock(device) - started) * 1e3 / len(x))
+    return times, x
 
 
 def time_decode(transform: TransformSpec, samples: int = 8) -> float:
@@ -231,16 +243,19 @@ def time_decode(transform: TransformSpec, samples: int = 8) -> float:
 
 
 def time_training(stages: nn.Sequential, freeze: int, input_size: int, batch_size: int, repeats: int = 3,
-                  device: torch.device = CPU, beside_a_job: bool = False) -> float:
+                  device: torch.device = CPU, beside_a_job: bool = False,
+                  features: torch.Tensor | None = None) -> float:
     """Per-sample forward + backward + SGD step (ms) of stages [freeze, end), on their real
-    input. ``stages`` is changed: pass a copy. ``beside_a_job``: draw nothing from torch's
+    input: ``features`` (the frozen stages' output of ``batch_size`` images), else computed
+    here. ``stages`` is changed: pass a copy. ``beside_a_job``: draw nothing from torch's
     global generator (inputs from a private one, the trainable stages in eval mode, so no
     dropout draws), so that it may run while a job trains."""
-    generator = torch.Generator(device=device) if beside_a_job else None
-    with torch.inference_mode(), _autocast(device):
-        inputs = torch.randn(batch_size, 3, input_size, input_size, device=device, generator=generator)
-        x = stages[:freeze].eval()(inputs)
-    x = x.float().clone()  # out of inference mode, so autograd may use it
+    if features is None:
+        generator = torch.Generator(device=device) if beside_a_job else None
+        with torch.inference_mode(), _autocast(device):
+            inputs = torch.randn(batch_size, 3, input_size, input_size, device=device, generator=generator)
+            features = stages[:freeze].eval()(inputs)
+    x = features.float().clone()  # out of inference mode, so autograd may use it
     trainable = stages[freeze:].train(not beside_a_job)
     optimizer = torch.optim.SGD(trainable.parameters(), lr=0.0)
     labels = torch.zeros(batch_size, dtype=torch.long, device=device)  # class 0 exists whatever the head's width
