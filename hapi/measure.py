@@ -169,14 +169,12 @@ def step_ratio(model: StagedModel, profile: HostProfile, device: torch.device = 
 
     def timed() -> float:
         torch.set_num_threads(threads)  # a new thread starts with torch's default
-        started, generator = time.perf_counter(), torch.Generator(device=device)
-        for _ in range(2):  # the first pass warms caches and allocators up
-            images = torch.randn(PROFILE_BATCH, 3, profile.input_size, profile.input_size, device=device,
-                                 generator=generator)
-            forward_ms, features = _timed_pass(stages[:freeze], images, device)
+        started = time.perf_counter()
+        runs, features = _timed_passes(stages[:freeze], profile.input_size, PROFILE_BATCH, 1, device,
+                                       torch.Generator(device=device))
         step_ms = time_training(stages, freeze, profile.input_size, PROFILE_BATCH, repeats=1, device=device,
                                 beside_a_job=True, features=features)
-        ratio = (sum(forward_ms) + step_ms) / (sum(profile.forward_ms) + profile.train_ms)
+        ratio = (sum(runs[0]) + step_ms) / (sum(profile.forward_ms) + profile.train_ms)
         log.info("this tier runs %s's prefix and step at %.2fx the time of %s's profile (timed in %.1f s)",
                  model.spec.name, ratio, profile.host, time.perf_counter() - started)
         return ratio
@@ -214,22 +212,25 @@ def time_forward(stages: nn.Sequential, input_size: int, batch_size: int, repeat
     """Per-sample forward time of each stage (ms), eval mode, median over ``repeats``;
     ``beside_a_job``: the inputs drawn from a private generator."""
     generator = torch.Generator(device=device) if beside_a_job else None
+    runs, _ = _timed_passes(stages, input_size, batch_size, repeats, device, generator)
+    return tuple(statistics.median(column) for column in zip(*runs))
+
+
+def _timed_passes(stages: nn.Sequential, input_size: int, batch_size: int, repeats: int, device: torch.device,
+                  generator: torch.Generator | None) -> tuple[list[list[float]], torch.Tensor]:
+    """Per-sample time of each stage (ms) in each of ``repeats`` passes over random images,
+    eval mode, after one that warms caches and allocators up; and the last pass's output."""
     runs = []
-    for _ in range(repeats + 1):  # the first run warms caches and allocators up
-        images = torch.randn(batch_size, 3, input_size, input_size, device=device, generator=generator)
-        runs.append(_timed_pass(stages, images, device)[0])
-    return tuple(statistics.median(column) for column in zip(*runs[1:]))
-
-
-def _timed_pass(stages: nn.Sequential, x: torch.Tensor, device: torch.device) -> tuple[list[float], torch.Tensor]:
-    """Per-sample time of each stage (ms) on the batch ``x``, eval mode, and the output."""
-    times = []
     with torch.inference_mode(), _autocast(device):
-        for stage in stages.eval():
-            started = _clock(device)
-            x = stage(x)
-            times.append((_clock(device) - started) * 1e3 / len(x))
-    return times, x
+        for _ in range(repeats + 1):
+            x = torch.randn(batch_size, 3, input_size, input_size, device=device, generator=generator)
+            times = []
+            for stage in stages.eval():
+                started = _clock(device)
+                x = stage(x)
+                times.append((_clock(device) - started) * 1e3 / batch_size)
+            runs.append(times)
+    return runs[1:], x
 
 
 def time_decode(transform: TransformSpec, samples: int = 8) -> float:
@@ -246,10 +247,10 @@ def time_training(stages: nn.Sequential, freeze: int, input_size: int, batch_siz
                   device: torch.device = CPU, beside_a_job: bool = False,
                   features: torch.Tensor | None = None) -> float:
     """Per-sample forward + backward + SGD step (ms) of stages [freeze, end), on their real
-    input: ``features`` (the frozen stages' output of ``batch_size`` images), else computed
-    here. ``stages`` is changed: pass a copy. ``beside_a_job``: draw nothing from torch's
-    global generator (inputs from a private one, the trainable stages in eval mode, so no
-    dropout draws), so that it may run while a job trains."""
+    input: ``features`` (the frozen stages' output of a batch), else computed here from
+    ``batch_size`` images. ``stages`` is changed: pass a copy. ``beside_a_job``: draw
+    nothing from torch's global generator (inputs from a private one, the trainable stages
+    in eval mode, so no dropout draws), so that it may run while a job trains."""
     if features is None:
         generator = torch.Generator(device=device) if beside_a_job else None
         with torch.inference_mode(), _autocast(device):
@@ -258,7 +259,7 @@ def time_training(stages: nn.Sequential, freeze: int, input_size: int, batch_siz
     x = features.float().clone()  # out of inference mode, so autograd may use it
     trainable = stages[freeze:].train(not beside_a_job)
     optimizer = torch.optim.SGD(trainable.parameters(), lr=0.0)
-    labels = torch.zeros(batch_size, dtype=torch.long, device=device)  # class 0 exists whatever the head's width
+    labels = torch.zeros(len(x), dtype=torch.long, device=device)  # class 0 exists whatever the head's width
     times = []
     for _ in range(repeats + 1):
         started = _clock(device)
@@ -267,7 +268,7 @@ def time_training(stages: nn.Sequential, freeze: int, input_size: int, batch_siz
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        times.append((_clock(device) - started) * 1e3 / batch_size)
+        times.append((_clock(device) - started) * 1e3 / len(x))
     return statistics.median(times[1:])
 
 

@@ -445,3 +445,26 @@ def test_timing_this_host_s_step_beside_a_job_draws_nothing_from_its_generator()
     rng = torch.random.get_rng_state()
     assert step_ratio(model, replace(PROFILE, input_size=32, train_ms=1.0)).result() > 0
     assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_the_training_step_on_given_features_runs_no_frozen_stage() -> None:
+    # The step ratio times the head on its timed pass's features: a third pass of the
+    # prefix would cost as much again as the two it times.
+    import torch
+    from torch import nn
+
+    from hapi.measure import time_training
+
+    class Counted(nn.Module):
+        calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            Counted.calls += 1
+            return x.flatten(1)
+
+    stages = nn.Sequential(Counted(), nn.Linear(3 * 4 * 4, 10))
+    assert time_training(stages, 1, 4, 2, repeats=1, beside_a_job=True) > 0
+    assert Counted.calls == 1  # without features, once, to make them
+    features = torch.zeros(5, 3 * 4 * 4)
+    assert time_training(stages, 1, 4, 2, repeats=1, beside_a_job=True, features=features) > 0
+    assert Counted.calls == 1
