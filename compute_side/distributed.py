@@ -162,6 +162,9 @@ class Leader(Planned):
         self.decisions.store.set(self.decisions.next_key(), f"{candidate.split},{candidate.dtype}")
         return self.sources.build(candidate.split, candidate.dtype)[self.validation]
 
+    def scout(self, samples: int) -> None:
+        return None  # the other ranks send their slices of the first batch where rank 0 sends its own
+
     def cached(self, samples: int) -> None:
         candidate = self.planner.plan.parts[0]
         self.decisions.store.set(self.decisions.next_key(), f"{candidate.split},{candidate.dtype}")
@@ -199,6 +202,9 @@ class Follower:
 
     def cached(self, samples: int) -> None:
         self.decisions.next_key()
+
+    def scout(self, samples: int) -> None:
+        return None
 
     def arrived(self, part: Part, samples: int) -> None:
         pass

@@ -13,13 +13,13 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import groupby
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from compute_side.feature_cache import CacheScope
+from compute_side.feature_cache import Advance, CacheScope
 from compute_side.sources import Part
 from hapi.datasets import Sample
 
@@ -43,6 +43,11 @@ class Steering(Protocol):
     def cached(self, samples: int) -> None:
         """A batch was served from the feature cache instead: no source was picked for it."""
 
+    def scout(self, samples: int) -> tuple[Source, int] | None:
+        """While unsettled, a source and a number of the first batch's samples to send it
+        alone, ahead of the rest (which go where ``pick`` says once it has arrived); None:
+        the first batch goes whole to ``pick``'s source."""
+
 
 class Fixed:
     """One source for every batch."""
@@ -61,6 +66,9 @@ class Fixed:
     def cached(self, samples: int) -> None:
         pass
 
+    def scout(self, samples: int) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -68,7 +76,7 @@ class Batch:
     labels: torch.Tensor
     keys: tuple[str, ...]
     split: int  # the stage whose input ``features`` are (ALL_IN_COMPUTE: raw objects, stage 0)
-    dtype: str  # the wire dtype they came in
+    dtype: str  # the wire dtype they came in (of its last request, where a scout went ahead)
     wire_bytes: int  # bytes received for this batch
     raw_bytes: int  # bytes of the encoded images it covers
     requests: int
@@ -118,14 +126,20 @@ class PipelinedLoader:
     With a ``cache``, a batch whose samples it holds is served from it whole: none of its
     requests leave, and the steering neither picks a source for it nor hears of it (a
     cache hit says nothing of the link or a node). Every reply is kept in it.
+
+    With ``advance`` (the model's frozen stages), an unsettled steering may send a scout:
+    the first of the first batch's samples alone, to a source of its choosing, so that the
+    rest of the batch and the next ones go where its reply says. The scout's features are
+    run on here to the split the rest arrive at, and the optimiser still sees one batch.
     """
 
     def __init__(self, source: Source | Steering, request_size: int = 32, depth: int = 4,
-                 cache: CacheScope | None = None) -> None:
+                 cache: CacheScope | None = None, advance: Advance | None = None) -> None:
         self.steering = source if isinstance(source, Steering) else Fixed(source)
         self.request_size = request_size
         self.depth = depth
         self.cache = cache
+        self.advance = advance
 
     def epoch(self, batches: Sequence[Sequence[Sample]], epoch: int) -> Iterator[Batch]:
         plans = [requests_of(batch, self.request_size) for batch in batches]
@@ -149,14 +163,15 @@ class PipelinedLoader:
         queue.reverse()  # popped from the end
         in_flight: deque[tuple[int, Future[Part], list[Sample], bool]] = deque()  # (batch, part, samples, cached)
         # A batch's requests all go to the source picked when its first one left, so a
-        # switch of source takes effect at a batch boundary.
+        # switch of source takes effect at a batch boundary; a scout's go to its own.
         batch_source: dict[int, Source] = {}
+        scouted: dict[int, int] = {}  # the batch whose scout went ahead: its samples
         with ThreadPoolExecutor(self.depth, thread_name_prefix="fetch") as pool:
             def top_up() -> None:
                 while len(in_flight) < self.depth and queue:
                     index, chunk = queue[-1]
-                    if not steering.settled and in_flight and index != in_flight[0][0]:
-                        return  # unsettled: only the batch in flight until it has arrived
+                    if not steering.settled and in_flight and (scouted or index != in_flight[0][0]):
+                        return  # unsettled: only the batch (or its scout) in flight until it has arrived
                     if index not in batch_source:
                         hit = self.cache.get(batches[index]) if self.cache is not None else None
                         if hit is not None:  # in line with the requests, so batches still come in order
@@ -167,7 +182,18 @@ class PipelinedLoader:
                             served.set_result(hit)
                             in_flight.append((index, served, list(batches[index]), True))
                             continue
-                        batch_source[index] = steering.pick(len(batches[index]))
+                        scout = (steering.scout(len(batches[index]))
+                                 if not steering.settled and not in_flight and self.advance is not None else None)
+                        if scout is not None:
+                            source, samples = scout
+                            ahead, rest = chunk[:samples], chunk[samples:]
+                            queue.pop()
+                            if rest:
+                                queue.append((index, rest))
+                            scouted[index] = len(ahead)
+                            in_flight.append((index, pool.submit(source.fetch, ahead, epoch), ahead, False))
+                            continue
+                        batch_source[index] = steering.pick(len(batches[index]) - scouted.get(index, 0))
                     queue.pop()
                     in_flight.append((index, pool.submit(batch_source[index].fetch, chunk, epoch), chunk, False))
 
@@ -182,6 +208,8 @@ class PipelinedLoader:
                         if not cached:
                             self._arrived(parts[-1], chunk)
                         top_up()
+                    if index in scouted:
+                        parts = _at_one_split(parts, self.advance)
                     yield _assemble(batch, parts, time.perf_counter() - started, cached)
             finally:
                 for _, future, _, _ in in_flight:
@@ -193,6 +221,16 @@ class PipelinedLoader:
             self.cache.put(chunk, part)
 
 
+def _at_one_split(parts: list[Part], advance: Advance) -> list[Part]:
+    """The parts of one batch as inputs of the deepest stage any of them arrived at: the
+    shallower ones run on through the frozen stages between (all-in-compute's decoded
+    objects are stage 0's input, as split 0's images are)."""
+    deepest = max(max(p.split, 0) for p in parts)
+    return [p if max(p.split, 0) == deepest else
+            replace(p, features=advance(p.features, max(p.split, 0), deepest).to(p.features.device), split=deepest)
+            for p in parts]
+
+
 def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float, cached: bool = False) -> Batch:
     timings: dict[str, float] = {}
     for part in parts:
@@ -202,8 +240,8 @@ def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float, cached:
         features=torch.cat([p.features for p in parts]) if len(parts) > 1 else parts[0].features,
         labels=torch.tensor([s.label for s in batch]),
         keys=tuple(s.key for s in batch),
-        split=parts[0].split,
-        dtype=parts[0].dtype,
+        split=parts[-1].split,
+        dtype=parts[-1].dtype,
         wire_bytes=sum(p.wire_bytes for p in parts),
         raw_bytes=sum(s.size for s in batch),
         requests=0 if cached else len(parts),

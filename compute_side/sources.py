@@ -326,6 +326,12 @@ class Planned:
     def cached(self, samples: int) -> None:
         pass  # a cache hit tells the planner nothing of the link or a node
 
+    def scout(self, samples: int) -> tuple[FeatureSource, int] | None:
+        if self.validation:
+            return None
+        scout = self.planner.scout(samples)
+        return None if scout is None else (self.sources.build(scout[0].split, scout[0].dtype)[0], scout[1])
+
     def arrived(self, part: Part, samples: int) -> None:
         if "local_forward_ms" in part.timings:
             return  # computed here, with no node answering: it tells nothing of the link or a node

@@ -130,6 +130,9 @@ class Mixed:
     def cached(self, samples: int) -> None:
         pass
 
+    def scout(self, samples: int) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class AutoRun:

@@ -209,7 +209,7 @@ class Pipeline:
                            if c.feature_cache and not c.augment else None)
             val_cache = (CacheScope(cache, c.model, weights, self.eval_transform, self._advance)
                          if c.feature_cache else None)
-            self._loaders = (PipelinedLoader(train_source, c.request_size, c.depth, train_cache),
+            self._loaders = (PipelinedLoader(train_source, c.request_size, c.depth, train_cache, self._advance),
                              PipelinedLoader(val_source, c.request_size, c.depth, val_cache))
             try:
                 yield self

@@ -4,11 +4,13 @@ online, on the job's own batches.
 Every split trains the same head (frozen stages run in eval mode on both tiers, and the
 optimiser steps on the user's batch whatever the split), so a batch extracted at any
 candidate is a real training batch. Planning therefore has no probing phase. The run
-starts at once at the candidate that is safest while the link is unknown, sends that
-first batch alone, learns the link, the node and this tier from its reply and its
-training step, and from then on keeps the candidate the calibrated model (or a
-measurement) says is fastest. It moves only when the time saved over the rest of the
-run exceeds what the move costs.
+starts at once: a few of the first batch's samples go ahead alone as a scout, at split 0
+(images: many bytes for little of the node's work), and their reply measures the link;
+the rest of the batch, and every batch after it, go where the calibrated model (or,
+later, a measurement) says is fastest, and the run goes on learning the link, the node
+and this tier from each reply and training step. Where no scout can go (a job of many
+ranks), the first batch goes alone to the candidate safest while the link is unknown.
+It moves only when the time saved over the rest of the run exceeds what the move costs.
 
 The cost model, per sample (a candidate is a split s, stages [0, s) on the storage node,
 or all-in-compute, which ships the raw objects):
@@ -278,10 +280,10 @@ class Reply:
 class OnlinePlanner:
     """Chooses the candidate for each batch the loader sends, from what the run measured.
 
-    The loader calls ``pick()`` before sending a batch, ``arrived()`` with each reply;
-    the training loop calls ``trained()`` after each step. Until the first batch has
-    arrived (``settled`` false), the loader sends no other: the first reply measures the
-    link before the pipeline commits to a plan.
+    The loader calls ``scout()`` and ``pick()`` before sending a batch, ``arrived()``
+    with each reply; the training loop calls ``trained()`` after each step. Until the
+    first reply (the scout's, or the first batch's) has arrived (``settled`` false), the
+    loader sends nothing else: it measures the link before the pipeline commits to a plan.
     """
 
     def __init__(self, profile: HostProfile, freeze: int, batch_size: int, run_samples: int, raw_bytes: float,
@@ -326,6 +328,7 @@ class OnlinePlanner:
         self._arrived = 0  # samples whose replies arrived
         self._sent_at_switch = 0  # samples sent before the last move
         self._calibrated = False  # a steady-state pace has been charged to the model
+        self._scouted = False  # the first batch's scout has gone
 
     def options(self) -> list[Candidate]:
         return candidates(self.profile, self.freeze, self.conditions, self.batch_size, self.dtypes, self.memory_budget)
@@ -483,6 +486,22 @@ class OnlinePlanner:
         if training:
             self._training_picks.append(plan_key)
         return chosen
+
+    def scout(self, samples: int) -> tuple[Candidate, int] | None:
+        """The first of the first batch's samples to send ahead alone while nothing is
+        measured, and where: at split 0, the most bytes a node ships for the least of its
+        work, so that their reply reads the link and arrives soon; the rest of the batch
+        goes where that reading says. As many as put on the link the bytes the whole batch
+        would at the safe start, so that on the slowest link the scout waits no longer than
+        that batch would, and reads the link as well. None once one has gone, and where the
+        batch has no samples to spare for it."""
+        image = min((c for c in self.options() if c.split == 0), key=lambda c: c.bytes_per_sample)
+        count = min(int(self.plan.bytes_per_sample * samples / image.bytes_per_sample), samples - 1)
+        if self.settled or self._scouted or count < 1:
+            return None
+        self._scouted = True
+        self.remaining -= count
+        return image, count
 
     def _replan(self) -> None:
         if self._step_ratio is not None:

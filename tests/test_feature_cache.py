@@ -123,6 +123,9 @@ class CountingSteering:
     def cached(self, samples: int) -> None:
         self.cached_batches += 1
 
+    def scout(self, samples: int) -> None:
+        return None
+
     def fetch(self, samples, epoch: int) -> Part:
         return _part(list(samples))
 

@@ -45,7 +45,7 @@ class RecordingSource:
         if self.fail_on in [s.key for s in samples]:
             raise RuntimeError(f"cannot read {self.fail_on}")
         rows = torch.tensor([[float(s.key.rsplit("/", 1)[1].split(".")[0].replace("-", ""))] for s in samples])
-        return Part(rows, split=0, dtype="float32", wire_bytes=8 * len(samples), elapsed_ms=1.0,
+        return Part(rows, split=self.split, dtype="float32", wire_bytes=8 * len(samples), elapsed_ms=1.0,
                     link_interval=(0.0, 1e-3), timings={"forward_ms": 1.0})
 
 
@@ -128,6 +128,9 @@ class SwitchingSteering:
     def cached(self, samples: int) -> None:
         pass
 
+    def scout(self, samples: int) -> None:
+        return None
+
 
 def test_switching_source_mid_epoch_keeps_every_sample_once_and_batches_whole() -> None:
     samples = epoch_order(_plain(60), epoch=0, seed=1)
@@ -151,3 +154,45 @@ def test_until_settled_only_the_first_batch_is_in_flight() -> None:
     # before the first reply came back.
     assert steering.sent_when_settled == 2
     assert a.max_in_flight == 8  # once settled, the pipeline fills to its depth
+
+
+class ScoutingSteering(SwitchingSteering):
+    """Sends ``count`` samples of the first batch ahead to ``scout_source``, once."""
+
+    def __init__(self, scout_source: RecordingSource, rest: RecordingSource, count: int) -> None:
+        super().__init__(rest, rest, switch_after=99)
+        self.scout_source, self.count, self.scouts = scout_source, count, 0
+
+    def scout(self, samples: int) -> tuple[RecordingSource, int] | None:
+        self.scouts += 1
+        return (self.scout_source, self.count) if self.scouts == 1 else None
+
+
+def test_a_scout_goes_alone_and_its_features_join_the_first_batch_at_the_rest_s_split() -> None:
+    scout_source, rest = RecordingSource(delay_s=0.02), RecordingSource(delay_s=0.005)
+    rest.split = 3
+    advanced: list[tuple[int, int, int]] = []
+
+    def advance(features: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        advanced.append((len(features), start, stop))
+        return features - 1000  # stand-in for the frozen stages: marks the rows it ran
+
+    steering = ScoutingSteering(scout_source, rest, count=3)
+    samples = _plain(24)
+    loader = PipelinedLoader(steering, request_size=4, depth=8, advance=advance)
+    batches = list(loader.epoch(batches_of(samples, 8), epoch=0))
+    assert [k for b in batches for k in b.keys] == [s.key for s in samples]  # each sample once, in order
+    assert scout_source.requests == [[s.key for s in samples[:3]]]
+    assert steering.sent_when_settled == 0  # nothing but the scout had left when it arrived
+    assert advanced == [(3, 0, 3)]
+    first = batches[0]
+    assert first.split == 3 and len(first.features) == 8
+    assert (first.features[:3] < 0).all() and (first.features[3:] >= 0).all()
+    assert steering.picks == 3  # the rest of the first batch, and the two others
+
+
+def test_without_the_model_s_stages_the_loader_sends_no_scout() -> None:
+    source = RecordingSource(delay_s=0.005)
+    steering = ScoutingSteering(source, source, count=3)
+    list(PipelinedLoader(steering, request_size=4, depth=8).epoch(batches_of(_plain(16), 8), epoch=0))
+    assert steering.scouts == 0 and steering.sent_when_settled == 2

@@ -127,6 +127,19 @@ def test_the_first_reply_moves_the_run_off_the_safe_start_when_the_link_is_fast_
     assert "predicted" in p.switches[-1][2]
 
 
+def test_the_scout_ships_what_the_safe_start_s_first_batch_would_and_goes_once() -> None:
+    p = planner()
+    image, count = p.scout(BATCH)
+    # Split 3, the safe start, ships 8 KB a sample; split 0's images 49 KB: one of them
+    # carries no more than a batch of 8 would there.
+    assert (image.split, count) == (0, 1)
+    assert p.scout(4 * BATCH) is None  # one scout a run
+    p.arrived(reply(0, count, 0.0, 0.5, **node_timings(0, count, 1.0)))  # 98 KB/s
+    assert p.settled and p.conditions.bandwidth == pytest.approx(count * 49_152 / 0.5)
+    p.pick(BATCH - count)
+    assert p.remaining == 10_000 - BATCH  # the scout's samples are the first batch's
+
+
 def test_a_slow_link_keeps_the_run_where_it_started() -> None:
     p = planner()
     p.pick(BATCH)
