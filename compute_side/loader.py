@@ -156,7 +156,8 @@ class PipelinedLoader:
                 parts = []
                 for chunk in plan:
                     parts.append(source.fetch(chunk, epoch))
-                    self._arrived(parts[-1], chunk)
+                    steering.arrived(parts[-1], len(chunk))
+                self._keep(plan, parts)
                 yield _assemble(batch, parts, time.perf_counter() - started)
             return
         queue = [(i, chunk) for i, plan in enumerate(plans) for chunk in plan]
@@ -201,24 +202,28 @@ class PipelinedLoader:
                 for index, batch in enumerate(batches):
                     top_up()
                     started = time.perf_counter()
-                    parts, cached = [], False
+                    parts, chunks, cached = [], [], False
                     while in_flight and in_flight[0][0] == index:
                         _, future, chunk, cached = in_flight.popleft()
                         parts.append(future.result())
+                        chunks.append(chunk)
                         if not cached:
-                            self._arrived(parts[-1], chunk)
+                            self.steering.arrived(parts[-1], len(chunk))
                         top_up()
                     if index in scouted:
                         parts = _at_one_split(parts, self.advance)
+                    if not cached:
+                        self._keep(chunks, parts)
                     yield _assemble(batch, parts, time.perf_counter() - started, cached)
             finally:
                 for _, future, _, _ in in_flight:
                     future.cancel()
 
-    def _arrived(self, part: Part, chunk: Sequence[Sample]) -> None:
-        self.steering.arrived(part, len(chunk))
+    def _keep(self, chunks: Sequence[Sequence[Sample]], parts: Sequence[Part]) -> None:
+        """Every reply goes into the cache, at the split its batch was trained at."""
         if self.cache is not None:
-            self.cache.put(chunk, part)
+            for chunk, part in zip(chunks, parts):
+                self.cache.put(chunk, part)
 
 
 def _at_one_split(parts: list[Part], advance: Advance) -> list[Part]:
@@ -226,8 +231,9 @@ def _at_one_split(parts: list[Part], advance: Advance) -> list[Part]:
     shallower ones run on through the frozen stages between (all-in-compute's decoded
     objects are stage 0's input, as split 0's images are)."""
     deepest = max(max(p.split, 0) for p in parts)
+    device = next(p.features.device for p in parts if max(p.split, 0) == deepest)
     return [p if max(p.split, 0) == deepest else
-            replace(p, features=advance(p.features, max(p.split, 0), deepest).to(p.features.device), split=deepest)
+            replace(p, features=advance(p.features, max(p.split, 0), deepest).to(device), split=deepest)
             for p in parts]
 
 

@@ -524,12 +524,15 @@ class OnlinePlanner:
         best = min(plans, key=self.run_ms)
         if best.key != self.plan.key:
             measured = best.key in self._measured and self._measured[best.key].paces
-            # A measured pace must beat the incumbent's by more than the scatter of the
-            # incumbent's own readings; a predicted one, by more than the model's error.
-            margin = self._scatter() if measured else MODEL_ERROR
-            saved_ms = self.run_ms(incumbent) - self.run_ms(best)
-            if (self.run_ms(best) < self.run_ms(incumbent) * (1 - margin)
-                    and saved_ms > best.fill_ms * self.batch_size):
+            # A plan nothing was sent to yet (only a scout went ahead) is a prediction too,
+            # and leaving it refills no pipeline: the run starts at the best. Otherwise the
+            # rest of the run on the new plan, with its pipeline's fill, must beat the
+            # incumbent's by more than the error of the prices compared: a measured pace's,
+            # the scatter of the incumbent's own readings; a predicted one's, the model's.
+            started = any(self._dealt)
+            margin = (self._scatter() if measured else MODEL_ERROR) if started else 0.0
+            fill_ms = best.fill_ms * self.batch_size if started else 0.0
+            if self.run_ms(best) + fill_ms < self.run_ms(incumbent) * (1 - margin):
                 self._switch(best, f"{'measured' if measured else 'predicted'} {self.expected_ms(best):.1f} "
                                    f"ms/sample against {incumbent_ms:.1f}")
                 return

@@ -144,6 +144,44 @@ def test_the_second_epoch_neither_picks_nor_fetches_nor_teaches_the_planner(dept
     assert all(b.features[:, 0].tolist() == [int(k[6:10]) for k in b.keys] for b in second)
 
 
+class ScoutAhead(CountingSteering):
+    """Unsettled until the first reply; sends two samples of the first batch ahead at split 0."""
+
+    settled = False
+
+    def scout(self, samples: int):
+        if self.arrivals:
+            return None
+        return ImageSource(), 2
+
+    def arrived(self, part: Part, samples: int) -> None:
+        super().arrived(part, samples)
+        self.settled = True
+
+
+class ImageSource:
+    split = 0
+
+    def fetch(self, samples, epoch: int) -> Part:
+        return _part(list(samples), split=0)
+
+
+def test_a_scout_s_features_are_kept_at_the_split_its_batch_trained_at() -> None:
+    advanced = []
+
+    def advance(features: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        advanced.append((len(features), start, stop))
+        return torch.stack([features[:, 0], torch.full((len(features),), float(stop))], dim=1)
+
+    samples, steering = _samples(16), ScoutAhead()
+    loader = PipelinedLoader(steering, request_size=4, depth=3, cache=_scope(FeatureCache()), advance=advance)
+    first = list(loader.epoch(batches_of(samples, 8), 0))
+    assert advanced == [(2, 0, 3)] and first[0].features[:, 1].tolist() == [3.0] * 8
+    second = list(loader.epoch(batches_of(samples, 8), 1))
+    assert all(b.cached for b in second) and advanced == [(2, 0, 3)]  # nothing run again
+    assert [b.features[:, 1].tolist() for b in second] == [[3.0] * 8] * 2
+
+
 def _steps(run_dir) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines if '"step"' in line]
