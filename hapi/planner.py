@@ -329,6 +329,7 @@ class OnlinePlanner:
         self._sent_at_switch = 0  # samples sent before the last move
         self._calibrated = False  # a steady-state pace has been charged to the model
         self._scouted = False  # the first batch's scout has gone
+        self._scout_bytes = math.inf  # per sample, what the scout shipped
 
     def options(self) -> list[Candidate]:
         return candidates(self.profile, self.freeze, self.conditions, self.batch_size, self.dtypes, self.memory_budget)
@@ -500,6 +501,7 @@ class OnlinePlanner:
         if self.settled or self._scouted or count < 1:
             return None
         self._scouted = True
+        self._scout_bytes = image.bytes_per_sample
         self.remaining -= count
         return image, count
 
@@ -521,6 +523,11 @@ class OnlinePlanner:
             self._calibrated and min(p.shares) * self.remaining >= self.batches_in_flight * self.batch_size)]
         incumbent = self._repriced(self.plan)
         incumbent_ms = self.expected_ms(incumbent)
+        started = any(self._dealt)
+        if not started:
+            # A scout's short reply reads the link fast (a shaper's burst, an unthrottled
+            # first window), so the first plan ships no more bytes a sample than the scout did.
+            plans = [p for p in plans if p.bytes_per_sample <= self._scout_bytes] or plans
         best = min(plans, key=self.run_ms)
         if best.key != self.plan.key:
             measured = best.key in self._measured and self._measured[best.key].paces
@@ -529,7 +536,6 @@ class OnlinePlanner:
             # rest of the run on the new plan, with its pipeline's fill, must beat the
             # incumbent's by more than the error of the prices compared: a measured pace's,
             # the scatter of the incumbent's own readings; a predicted one's, the model's.
-            started = any(self._dealt)
             margin = (self._scatter() if measured else MODEL_ERROR) if started else 0.0
             fill_ms = best.fill_ms * self.batch_size if started else 0.0
             if self.run_ms(best) + fill_ms < self.run_ms(incumbent) * (1 - margin):

@@ -493,3 +493,13 @@ def test_the_training_step_on_given_features_runs_no_frozen_stage() -> None:
     features = torch.zeros(5, 3 * 4 * 4)
     assert time_training(stages, 1, 4, 2, repeats=1, beside_a_job=True, features=features) > 0
     assert Counted.calls == 1
+
+
+def test_the_first_plan_after_a_scout_ships_no_more_a_sample_than_the_scout_did() -> None:
+    p = planner()
+    _, count = p.scout(BATCH)
+    # A very fast reading and a slow node: the model prices all-in-compute best, but 100 KB
+    # a sample is more than the scout's 49 KB could have read the link for.
+    p.arrived(reply(0, count, 0.0, 1e-4, **node_timings(0, count, 1.0, fixed_ms=20.0)))
+    assert min(p.plans(), key=p.run_ms).parts[0].split == ALL_IN_COMPUTE
+    assert p.pick(BATCH - count).key == (0, "float32")
