@@ -55,6 +55,7 @@ class Extracted:
     wire_bytes: int  # bytes of the response body
     body_started: float  # perf_counter when the response headers arrived
     body_s: float  # from the response headers to its last byte: the body's time on the link
+    tail_started: float  # perf_counter once the first half of the body had been read
 
 
 class Breaker:
@@ -219,7 +220,7 @@ class StorageClient:
             self._raise_for_error(response)
             started = time.perf_counter()
             try:
-                blob = _read_body(response)
+                blob, tail_started = _read_body(response)
                 body_s = time.perf_counter() - started
                 break
             except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
@@ -230,7 +231,7 @@ class StorageClient:
         features, keys, metadata = decode_features(blob)
         if keys != request.keys:
             raise StorageNodeError(self.url, response.status_code, "bad_response", "features for other keys")
-        return Extracted(features, keys, metadata, len(blob), started, body_s)
+        return Extracted(features, keys, metadata, len(blob), started, body_s, tail_started)
 
 
 def _session(retry: Retry, pool_size: int, token: str | None) -> requests.Session:
@@ -242,20 +243,28 @@ def _session(retry: Retry, pool_size: int, token: str | None) -> requests.Sessio
     return session
 
 
-def _read_body(response: requests.Response) -> bytearray:
-    """The body in a writable buffer, read straight from the socket (no extra copy)."""
+def _read_body(response: requests.Response) -> tuple[bytearray, float]:
+    """The body in a writable buffer, read straight from the socket (no extra copy), and
+    when its first half had been read: the second half's pace is the link's, where the
+    first may have come faster than it (a shaper's burst, buffers filled while it was idle)."""
     length = response.headers.get("Content-Length")
     if length is None:
-        return bytearray(response.content)
+        return bytearray(response.content), time.perf_counter()
     buffer = bytearray(int(length))
-    view = memoryview(buffer)
-    filled = 0
-    while filled < len(buffer):
-        got = response.raw.readinto(view[filled:])
+    view, half = memoryview(buffer), len(buffer) // 2
+    _fill(response, view, 0, half)
+    half_at = time.perf_counter()
+    _fill(response, view, half, len(buffer))
+    return buffer, half_at
+
+
+def _fill(response: requests.Response, view: memoryview, start: int, end: int) -> None:
+    """Read the body's bytes [start, end) into ``view``."""
+    while start < end:
+        got = response.raw.readinto(view[start:end])
         if not got:
-            raise requests.ConnectionError(f"body ended after {filled} of {len(buffer)} bytes")
-        filled += got
-    return buffer
+            raise requests.ConnectionError(f"body ended after {start} of {len(view)} bytes")
+        start += got
 
 
 def _start_detached(work: Callable[[], None]) -> None:

@@ -232,8 +232,8 @@ class Awaited:
     def split(self) -> int:
         return self._resolved().split
 
-    def fetch(self, samples: Sequence[Sample], epoch: int) -> Part:
-        return self._resolved().fetch(samples, epoch)
+    def fetch(self, samples: Sequence[Sample], epoch: int, order: int = 0) -> Part:
+        return self._resolved().fetch(samples, epoch, order)
 
     def _resolved(self) -> FeatureSource:
         with self._lock:

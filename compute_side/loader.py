@@ -27,7 +27,9 @@ from hapi.datasets import Sample
 class Source(Protocol):
     split: int
 
-    def fetch(self, samples: Sequence[Sample], epoch: int) -> Part: ...
+    def fetch(self, samples: Sequence[Sample], epoch: int, order: int = 0) -> Part:
+        """``order``: the samples' batch's place in the run's stream, for a node to serve a
+        job's requests in."""
 
 
 @runtime_checkable
@@ -144,8 +146,9 @@ class PipelinedLoader:
     def epoch(self, batches: Sequence[Sequence[Sample]], epoch: int) -> Iterator[Batch]:
         plans = [requests_of(batch, self.request_size) for batch in batches]
         steering = self.steering
+        first = epoch * len(batches)  # the place of this epoch's first batch in the run's stream
         if self.depth == 0:
-            for batch, plan in zip(batches, plans):
+            for index, (batch, plan) in enumerate(zip(batches, plans)):
                 started = time.perf_counter()
                 hit = self.cache.get(batch) if self.cache is not None else None
                 if hit is not None:
@@ -155,7 +158,7 @@ class PipelinedLoader:
                 source = steering.pick(len(batch))
                 parts = []
                 for chunk in plan:
-                    parts.append(source.fetch(chunk, epoch))
+                    parts.append(source.fetch(chunk, epoch, first + index))
                     steering.arrived(parts[-1], len(chunk))
                 self._keep(plan, parts)
                 yield _assemble(batch, parts, time.perf_counter() - started)
@@ -168,6 +171,9 @@ class PipelinedLoader:
         batch_source: dict[int, Source] = {}
         scouted: dict[int, int] = {}  # the batch whose scout went ahead: its samples
         with ThreadPoolExecutor(self.depth, thread_name_prefix="fetch") as pool:
+            def send(source: Source, index: int, samples: list[Sample]) -> None:
+                in_flight.append((index, pool.submit(source.fetch, samples, epoch, first + index), samples, False))
+
             def top_up() -> None:
                 while len(in_flight) < self.depth and queue:
                     index, chunk = queue[-1]
@@ -192,11 +198,11 @@ class PipelinedLoader:
                             if rest:
                                 queue.append((index, rest))
                             scouted[index] = len(ahead)
-                            in_flight.append((index, pool.submit(source.fetch, ahead, epoch), ahead, False))
+                            send(source, index, ahead)
                             continue
                         batch_source[index] = steering.pick(len(batches[index]) - scouted.get(index, 0))
                     queue.pop()
-                    in_flight.append((index, pool.submit(batch_source[index].fetch, chunk, epoch), chunk, False))
+                    send(batch_source[index], index, chunk)
 
             try:
                 for index, batch in enumerate(batches):
@@ -210,8 +216,10 @@ class PipelinedLoader:
                         if not cached:
                             self.steering.arrived(parts[-1], len(chunk))
                         top_up()
-                    if index in scouted:
-                        parts = _at_one_split(parts, self.advance)
+                        if index in scouted and len(parts) == 1:
+                            # The rest of the batch is on its way: meanwhile the scout's
+                            # features run on to the split it comes at.
+                            parts[0] = _advanced(parts[0], batch_source[index].split, self.advance)
                     if not cached:
                         self._keep(chunks, parts)
                     yield _assemble(batch, parts, time.perf_counter() - started, cached)
@@ -226,15 +234,11 @@ class PipelinedLoader:
                 self.cache.put(chunk, part)
 
 
-def _at_one_split(parts: list[Part], advance: Advance) -> list[Part]:
-    """The parts of one batch as inputs of the deepest stage any of them arrived at: the
-    shallower ones run on through the frozen stages between (all-in-compute's decoded
-    objects are stage 0's input, as split 0's images are)."""
-    deepest = max(max(p.split, 0) for p in parts)
-    device = next(p.features.device for p in parts if max(p.split, 0) == deepest)
-    return [p if max(p.split, 0) == deepest else
-            replace(p, features=advance(p.features, max(p.split, 0), deepest).to(device), split=deepest)
-            for p in parts]
+def _advanced(part: Part, split: int, advance: Advance) -> Part:
+    """``part`` as the input of stage ``split``, run on through the frozen stages between
+    (all-in-compute's decoded objects are stage 0's input, as split 0's images are)."""
+    start, stop = max(part.split, 0), max(split, 0)
+    return part if start >= stop else replace(part, features=advance(part.features, start, stop), split=stop)
 
 
 def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float, cached: bool = False) -> Batch:

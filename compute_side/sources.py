@@ -43,6 +43,7 @@ class Part:
     elapsed_ms: float  # wall time of the request, as the compute tier saw it
     link_interval: tuple[float, float]  # perf_counter times its bytes were on the link
     timings: dict[str, float] = field(default_factory=dict)  # where the source's time went, in ms
+    tail_started: float | None = None  # perf_counter once the first half of its bytes had arrived
 
 
 class PushdownSource:
@@ -67,8 +68,8 @@ class PushdownSource:
     def split(self) -> int:
         return self.template.split
 
-    def fetch(self, samples: Sequence[Sample], epoch: int) -> Part:
-        request = replace(self.template, keys=tuple(s.key for s in samples), epoch=epoch)
+    def fetch(self, samples: Sequence[Sample], epoch: int, order: int = 0) -> Part:
+        request = replace(self.template, keys=tuple(s.key for s in samples), epoch=epoch, order=order)
         started = time.perf_counter()
         attempts: list[_Attempt] = []
         tried: set[int] = set()  # each node gets one try per request
@@ -137,7 +138,8 @@ class PushdownSource:
         if request.dtype in IMAGE_WIRE_DTYPES:
             features = normalize(features, request.transform, self.decode_device)
         return Part(features, request.split, request.dtype, extracted.wire_bytes,
-                    (time.perf_counter() - started) * 1e3, body, dict(extracted.metadata.get("timings", {})))
+                    (time.perf_counter() - started) * 1e3, body, dict(extracted.metadata.get("timings", {})),
+                    extracted.tail_started)
 
     def _no_node_answers(self, request: ExtractRequest, samples: Sequence[Sample], started: float,
                          failure: StorageNodeError | None) -> Part:
@@ -256,7 +258,8 @@ class RawObjectSource:
         self.decode_device = torch.device(decode_device)
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="get")
 
-    def fetch(self, samples: Sequence[Sample], epoch: int) -> Part:
+    def fetch(self, samples: Sequence[Sample], epoch: int, order: int = 0) -> Part:
+        """``order``: the store serves reads as they come."""
         keys = [s.key for s in samples]
         started = time.perf_counter()
         blobs = read_samples(self.store, keys, self.pool)
@@ -337,9 +340,16 @@ class Planned:
             return  # computed here, with no node answering: it tells nothing of the link or a node
         # The link's share of a request is all its time but the node's own work: the request
         # and the reply's headers, too, cross the link, and a short reply's body alone is
-        # read at the rate of a shaper's burst or of an unthrottled first window.
+        # read at the rate of a shaper's burst or of an unthrottled first window. A longer
+        # reply's head may ride such a burst too, and then its second half, alone, is read
+        # slower: of the two readings the slower is the link's (each overstates the rate in
+        # its own case: the whole where a burst carried its head, the half where it all fitted in one).
         start, end = part.link_interval
+        nbytes = part.wire_bytes
         if part.split != ALL_IN_COMPUTE:
             node_ms = sum(ms for name, ms in part.timings.items() if name != "shared_wait_ms")
             start = min(start, end - max(part.elapsed_ms - node_ms, 0.0) / 1e3)
-        self.planner.arrived(Reply(part.split, part.dtype, samples, part.wire_bytes, (start, end), part.timings))
+            half = part.tail_started
+            if half is not None and (nbytes - nbytes // 2) * (end - start) < nbytes * (end - half):
+                start, nbytes = half, nbytes - nbytes // 2
+        self.planner.arrived(Reply(part.split, part.dtype, samples, nbytes, (start, end), part.timings))

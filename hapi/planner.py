@@ -272,8 +272,8 @@ class Reply:
     split: int
     dtype: str
     samples: int
-    wire_bytes: int
-    link_interval: tuple[float, float]  # perf_counter times it was on the link
+    wire_bytes: int  # bytes it put on the link in ``link_interval`` (all of them, or the reply's second half)
+    link_interval: tuple[float, float]  # perf_counter times
     timings: dict[str, float]  # the node's own timings (pushdown) or the reads' (all-in-compute)
 
 
@@ -330,6 +330,7 @@ class OnlinePlanner:
         self._calibrated = False  # a steady-state pace has been charged to the model
         self._scouted = False  # the first batch's scout has gone
         self._scout_bytes = math.inf  # per sample, what the scout shipped
+        self.scouts = self._a_link_could_move_the_start()  # whether the first batch sends a scout (see ``scout``)
 
     def options(self) -> list[Candidate]:
         return candidates(self.profile, self.freeze, self.conditions, self.batch_size, self.dtypes, self.memory_budget)
@@ -494,16 +495,31 @@ class OnlinePlanner:
         work, so that their reply reads the link and arrives soon; the rest of the batch
         goes where that reading says. As many as put on the link the bytes the whole batch
         would at the safe start, so that on the slowest link the scout waits no longer than
-        that batch would, and reads the link as well. None once one has gone, and where the
-        batch has no samples to spare for it."""
+        that batch would, and reads the link as well. None once one has gone, where the
+        batch has no samples to spare for it, and where no link could make another plan
+        faster than the safe start by more than the model's error (a run whose later epochs
+        a feature cache serves keeps a deep split whatever the link): there the scout
+        would only delay the batch."""
         image = min((c for c in self.options() if c.split == 0), key=lambda c: c.bytes_per_sample)
         count = min(int(self.plan.bytes_per_sample * samples / image.bytes_per_sample), samples - 1)
-        if self.settled or self._scouted or count < 1:
+        if self.settled or self._scouted or count < 1 or not self.scouts:
             return None
         self._scouted = True
         self._scout_bytes = image.bytes_per_sample
         self.remaining -= count
         return image, count
+
+    def _a_link_could_move_the_start(self) -> bool:
+        """Whether, on some link in ``LINKS``, another candidate's run is predicted faster
+        than the start's by more than the model's error."""
+        for bandwidth in LINKS:
+            at = replace(self.conditions, bandwidth=bandwidth)
+            start = price(self.profile, self.freeze, at, *self.plan.parts[0].key, self.batch_size, self.memory_budget)
+            bar = self.run_ms(single(start)) * (1 - MODEL_ERROR)
+            if any(self.run_ms(single(c)) < bar for c in candidates(
+                    self.profile, self.freeze, at, self.batch_size, self.dtypes, self.memory_budget) if c.feasible):
+                return True
+        return False
 
     def _replan(self) -> None:
         if self._step_ratio is not None:

@@ -143,19 +143,22 @@ class ExtractRequest:
     dtype: str = "float32"
     epoch: int = 0  # seeds per-sample augmentation
     job_id: str = "default"
+    # The request's batch's place in its job's stream (every rank's batch i of an epoch has
+    # the same): a node runs a job's requests in this order, the trainer's next one first.
+    order: int = 0
 
     def to_json(self) -> dict:
         return {
             "keys": list(self.keys), "model": self.model, "split": self.split, "weights": self.weights,
             "transform": self.transform.to_dict(), "dtype": self.dtype, "epoch": self.epoch,
-            "job_id": self.job_id,
+            "job_id": self.job_id, "order": self.order,
         }
 
     @classmethod
     def from_json(cls, body: object) -> ExtractRequest:
         body = _checked_fields(cls, body, required=("keys", "model", "split"),
                                types={"model": str, "split": int, "weights": str, "dtype": str, "epoch": int,
-                                      "job_id": str})
+                                      "job_id": str, "order": int})
         keys = body["keys"]
         if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
             raise WireError("'keys' must be a non-empty list of non-empty strings")

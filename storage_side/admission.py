@@ -72,6 +72,7 @@ class _Waiter:
     need: int
     want: int
     woken: threading.Condition  # on the admission's lock: a grant wakes its own waiter only
+    order: int = 0  # its batch's place in the job's stream
     granted: int = 0
 
 
@@ -120,14 +121,15 @@ class Admission:
         """When a refused request should come back: about when one running now will be done."""
         return max(1, min(60, math.ceil(self._mean_hold_s)))
 
-    def admit(self, job: str, need: int, want: int) -> Reservation:
-        """Reserve between ``need`` and ``want`` bytes for ``job``, waiting for a fair turn.
+    def admit(self, job: str, need: int, want: int, order: int = 0) -> Reservation:
+        """Reserve between ``need`` and ``want`` bytes for ``job``, waiting for a fair turn;
+        a job's own requests in ``order`` (their batches' places in its stream).
 
         Raises Busy (503) when the queue is full or the wait outlasts ``queue_timeout_s``.
         """
         if need > self.capacity:
             raise ValueError(f"{need} bytes can never fit in a capacity of {self.capacity}")
-        waiter = _Waiter(job, need, max(need, want), threading.Condition(self._lock))
+        waiter = _Waiter(job, need, max(need, want), threading.Condition(self._lock), order)
         deadline = time.monotonic() + self.queue_timeout_s
         with self._lock:
             waiting = sum(len(lane) for lane in self._lanes.values())
@@ -151,7 +153,7 @@ class Admission:
         lane = self._lanes.setdefault(waiter.job, deque())
         if not lane:
             self._turns.append(waiter.job)
-        lane.append(waiter)
+        lane.insert(next((i for i, w in enumerate(lane) if w.order > waiter.order), len(lane)), waiter)
 
     def _dequeue(self, waiter: _Waiter) -> None:
         lane = self._lanes[waiter.job]

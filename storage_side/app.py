@@ -231,7 +231,7 @@ def create_app(config: DaemonConfig) -> Flask:
                                        f"this node reserves at most {gate.capacity}")
                 reservation = gate.admit(req.job_id, need, need) if gate is not None else None
                 # A compute turn like an extract request's: profiling shares the cores, it does not add to them.
-                with extractor.compute_turns as slot, device_work(device):
+                with extractor.compute_turns.turn() as slot, device_work(device):
                     slot.take_share()
                     stages = profile_stages(prefix, req.batch_sizes, req.repeats, compute_dtype, device)
         finally:

@@ -7,10 +7,10 @@ the next sub-batch is decoded (by worker processes, or threads: ``parallel``) wh
 prefix runs on this thread.
 
 Requests take turns to run their prefix, one per compute slot, each pass on its share of
-the cores (``parallel.ComputeTurns``), in about the order they came: requests sharing a
-core would all finish late and together, leaving the link idle while they compute and
-then crowding it. A request waiting for its turn has already fetched its objects and
-started decoding them.
+the cores (``parallel.ComputeTurns``), in about the order they came, and a job's own in
+their order in its stream (``ExtractRequest.order``): requests sharing a core would all
+finish late and together, leaving the link idle while they compute and then crowding it.
+A request waiting for its turn has already fetched its objects and started decoding them.
 
 On a CUDA device a request holds two reservations: host memory for its objects, decoded
 sub-batches and features (as on the CPU), and GPU memory for the forward pass of one
@@ -50,7 +50,7 @@ from storage_side.admission import Admission, Reservation
 from storage_side.core_share import CoreShare
 from storage_side.errors import Busy, RequestError
 from storage_side.memory import CPU, PrefixMemory, SampleSizes, Staging, autocast_context, device_work
-from storage_side.parallel import ComputeTurns, Decoder, PendingBatch
+from storage_side.parallel import ComputeTurns, Decoder, PendingBatch, Place
 from storage_side.prefix_cache import LoadedPrefix, PrefixCache
 
 log = logging.getLogger(__name__)
@@ -229,9 +229,9 @@ class Extractor:
                 # GPU memory before host memory, as a prefix load takes them: the lease
                 # already keeps the prefix's weights on the GPU in use.
                 if device is not None:
-                    gpu_reservation = self.device_admission.admit(request.job_id, *device)
+                    gpu_reservation = self.device_admission.admit(request.job_id, *device, request.order)
                 if host is not None:
-                    reservation = self.admission.admit(request.job_id, *host)
+                    reservation = self.admission.admit(request.job_id, *host, request.order)
                 timings["queue_ms"] = _ms_since(started)
                 blob = self._run(request, prefix, cost, reservation, gpu_reservation, stats)
         except BaseException:
@@ -292,7 +292,8 @@ class Extractor:
         timings = stats.timings
         self.core_share.started()
         try:
-            features = self._features(request, prefix, cost, reservation, gpu_reservation, stats)
+            with self.compute_turns.place(request.job_id, request.order) as place:
+                features = self._features(request, prefix, cost, reservation, gpu_reservation, stats, place)
         except BaseException:
             self.core_share.finished(0)
             raise
@@ -316,8 +317,9 @@ class Extractor:
 
     def _features(self, request: ExtractRequest, prefix: LoadedPrefix, cost: RequestCost,
                   reservation: Reservation | None, gpu_reservation: Reservation | None,
-                  stats: RequestStats) -> torch.Tensor:
-        """Fetch, decode and run the prefix over the request's samples, in sub-batches."""
+                  stats: RequestStats, place: Place) -> torch.Tensor:
+        """Fetch, decode and run the prefix over the request's samples, in sub-batches, the
+        prefix when it is ``place``'s turn."""
         timings = stats.timings
         started = time.perf_counter()
         shards = {k.split(SHARD_SEPARATOR, 1)[0] for k in request.keys if SHARD_SEPARATOR in k}
@@ -360,7 +362,7 @@ class Extractor:
         pending: PendingBatch | None = submit(0)
         started = time.perf_counter()
         try:
-            with self.compute_turns:
+            with self.compute_turns.turn(place):
                 timings["turn_wait_ms"] = _ms_since(started)
                 for start in range(0, n, sub_batch):
                     waited = time.perf_counter()

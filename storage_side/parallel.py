@@ -23,9 +23,10 @@ import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from itertools import accumulate, count
 from typing import Protocol
 
@@ -63,8 +64,23 @@ def pin_cores(count: int) -> list[int]:
     return cores
 
 
+@dataclass(eq=False)
+class Place:
+    """A request at the node, from its admission until it leaves: ``order`` is its batch's
+    place in the stream of its job (None: a pass that belongs to no stream)."""
+
+    job: str | None
+    order: int
+    waiting: bool = False  # for a compute turn
+
+
 class ComputeTurns:
     """Forward passes run at once, one per slot, each on its share of the cores.
+
+    A free slot goes to the waiting request that came first, except that a job's requests
+    run in their order: a request does not take a slot while an earlier one of its job is
+    at the node, still fetching or decoding. The trainer needs that one first, and it
+    would otherwise wait for a whole pass of a later one that happened to fetch sooner.
 
     A pass takes ``threads`` intra-op threads when that is set; otherwise the cores divided
     among the passes running now, read at each sub-batch: a request alone gets every core,
@@ -79,21 +95,50 @@ class ComputeTurns:
         self.cores = cores
         self.threads = threads
         self.busy = 0
-        self._free = threading.Semaphore(slots) if slots else None
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._present: list[Place] = []  # in the order they came
 
-    def __enter__(self) -> ComputeTurns:
-        if self._free is not None:
-            self._free.acquire()
-        with self._lock:
-            self.busy += 1
-        return self
+    @contextlib.contextmanager
+    def place(self, job: str | None, order: int) -> Iterator[Place]:
+        """Hold a request's place at the node (from its admission: one not admitted holds
+        none, so that no admitted request waits for it) while it is here."""
+        place = Place(job, order)
+        with self._changed:
+            self._present.append(place)
+        try:
+            yield place
+        finally:
+            with self._changed:
+                self._present.remove(place)
+                self._changed.notify_all()
 
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self.busy -= 1
-        if self._free is not None:
-            self._free.release()
+    @contextlib.contextmanager
+    def turn(self, place: Place | None = None) -> Iterator[ComputeTurns]:
+        """A compute slot for ``place``'s request (None: a pass of no stream), once it is its turn."""
+        with contextlib.ExitStack() as stack:
+            if place is None:
+                place = stack.enter_context(self.place(None, 0))
+            with self._changed:
+                place.waiting = True
+                self._changed.wait_for(lambda: self.slots is None or self._next() is place)
+                place.waiting = False
+                self.busy += 1
+            try:
+                yield self
+            finally:
+                with self._changed:
+                    self.busy -= 1
+                    self._changed.notify_all()
+
+    def _next(self) -> Place | None:
+        """The request the next free slot goes to, if one is free."""
+        if self.busy >= self.slots:
+            return None
+        return next((p for p in self._present if p.waiting and not self._behind(p)), None)
+
+    def _behind(self, place: Place) -> bool:
+        """Whether an earlier request of ``place``'s job is at the node."""
+        return place.job is not None and any(p.job == place.job and p.order < place.order for p in self._present)
 
     def take_share(self) -> int:
         """Set this thread's intra-op threads to its share of the cores now; returns it."""

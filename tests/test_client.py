@@ -81,6 +81,7 @@ def test_extract_round_trip(client: StorageClient, node: Node) -> None:
     # The whole safetensors body: the features plus a small JSON header.
     assert extracted.features.nbytes < extracted.wire_bytes < extracted.features.nbytes + 1024
     assert 0 < extracted.body_s < 5  # the body's own time, after the node's work
+    assert extracted.body_started <= extracted.tail_started <= extracted.body_started + extracted.body_s
     torch.testing.assert_close(extracted.features, _local_features(node.store, keys))
 
 

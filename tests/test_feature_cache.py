@@ -106,9 +106,10 @@ def test_a_bad_size_says_what_is_expected() -> None:
 
 
 class CountingSteering:
-    """A planner's stand-in: counts what it is asked and told."""
+    """A planner's stand-in: counts what it is asked and told; its own source, at split 3."""
 
     settled = True
+    split = 3
 
     def __init__(self) -> None:
         self.picks, self.arrivals, self.cached_batches = 0, 0, 0
@@ -126,7 +127,7 @@ class CountingSteering:
     def scout(self, samples: int) -> None:
         return None
 
-    def fetch(self, samples, epoch: int) -> Part:
+    def fetch(self, samples, epoch: int, order: int = 0) -> Part:
         return _part(list(samples))
 
 
@@ -162,7 +163,7 @@ class ScoutAhead(CountingSteering):
 class ImageSource:
     split = 0
 
-    def fetch(self, samples, epoch: int) -> Part:
+    def fetch(self, samples, epoch: int, order: int = 0) -> Part:
         return _part(list(samples), split=0)
 
 

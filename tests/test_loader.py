@@ -30,13 +30,15 @@ class RecordingSource:
         self.delay_s = delay_s
         self.fail_on = fail_on
         self.requests: list[list[str]] = []
+        self.orders: list[int] = []  # each request's batch's place in the stream
         self.in_flight = 0
         self.max_in_flight = 0
         self.lock = threading.Lock()
 
-    def fetch(self, samples, epoch):
+    def fetch(self, samples, epoch, order=0):
         with self.lock:
             self.requests.append([s.key for s in samples])
+            self.orders.append(order)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         time.sleep(self.delay_s)
@@ -78,8 +80,10 @@ def test_requests_never_straddle_a_shard_and_respect_the_size() -> None:
 def test_every_sample_arrives_once_in_order_with_the_users_batch(depth: int) -> None:
     samples = epoch_order(_plain(50), epoch=0, seed=3)
     source = RecordingSource()
-    batches = list(PipelinedLoader(source, request_size=3, depth=depth).epoch(batches_of(samples, 8), epoch=0))
+    batches = list(PipelinedLoader(source, request_size=3, depth=depth).epoch(batches_of(samples, 8), epoch=2))
     assert [len(b.keys) for b in batches] == [8] * 6 + [2]
+    # Each request carries its batch's place in the run's stream: 7 batches an epoch, epoch 2.
+    assert sorted(source.orders) == [14 + i for i, batch in enumerate(batches) for _ in range(batch.requests)]
     assert [k for b in batches for k in b.keys] == [s.key for s in samples]
     features = torch.cat([b.features for b in batches]).flatten().tolist()
     assert features == [float(s.key[6:10]) for s in samples]  # rows reassembled in sample order
@@ -183,6 +187,7 @@ def test_a_scout_goes_alone_and_its_features_join_the_first_batch_at_the_rest_s_
     batches = list(loader.epoch(batches_of(samples, 8), epoch=0))
     assert [k for b in batches for k in b.keys] == [s.key for s in samples]  # each sample once, in order
     assert scout_source.requests == [[s.key for s in samples[:3]]]
+    assert scout_source.orders == [0] and sorted(rest.orders) == [0, 0, 1, 1, 2, 2]  # the scout is of batch 0
     assert steering.sent_when_settled == 0  # nothing but the scout had left when it arrived
     assert advanced == [(3, 0, 3)]
     first = batches[0]

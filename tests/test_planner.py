@@ -140,6 +140,19 @@ def test_the_scout_ships_what_the_safe_start_s_first_batch_would_and_goes_once()
     assert p.remaining == 10_000 - BATCH  # the scout's samples are the first batch's
 
 
+def test_no_scout_goes_where_no_link_could_move_the_run_off_its_start() -> None:
+    """Five epochs of 170 samples, the last four served by a feature cache: those cost this
+    tier its work on their features alone, least at ResNet-50's deepest splits whatever the
+    link, so the first batch goes whole to the safe start. Without the cache, it scouts."""
+    profile = HostProfile.from_json((SHIPPED_PROFILES / "amd-epyc-x1" / "resnet50-112.json").read_text())
+
+    def run(cached: int) -> OnlinePlanner:
+        return OnlinePlanner(profile, 22, 32, 170, 101_000, dtypes=("float32", "uint8"), cached_samples=cached)
+
+    assert run(4 * 170).scout(32) is None
+    assert run(0).scout(32)[1] == 6
+
+
 def test_a_slow_link_keeps_the_run_where_it_started() -> None:
     p = planner()
     p.pick(BATCH)

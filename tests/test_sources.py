@@ -11,7 +11,7 @@ import torch
 
 from compute_side.client import HEDGE_FLOOR_S, PROBE_TIMEOUT_S, StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
-from compute_side.sources import LocalPrefix, PushdownSource, RawObjectSource, Sources
+from compute_side.sources import LocalPrefix, Part, Planned, PushdownSource, RawObjectSource, Sources
 from hapi.data import node_passes
 from hapi.datasets import Sample, make_synthetic
 from hapi.models import build_model
@@ -186,3 +186,26 @@ def test_the_nodes_run_as_many_requests_at_once_as_their_compute_slots_allow_wit
     assert node_passes([node], 1) == 1
     # Requests go round-robin: two of four to each node; a node that cannot say runs one.
     assert node_passes([node, _dead()], 4) == min(slots, 2) + 1
+
+
+class Listening:
+    """A planner's stand-in: keeps the replies it hears of."""
+
+    def __init__(self) -> None:
+        self.replies: list = []
+
+    def arrived(self, reply) -> None:
+        self.replies.append(reply)
+
+
+def test_the_link_is_read_at_the_slower_of_a_whole_reply_and_its_second_half() -> None:
+    planner = Listening()
+    steering = Planned(planner, sources=None)
+    # 1 MB whose first half came in a shaper's burst (0.1 s), the second at the link's 1 MB/s.
+    steering.arrived(Part(torch.zeros(1), 4, "float32", 1_000_000, elapsed_ms=600.0, link_interval=(0.0, 0.6),
+                          timings={"forward_ms": 0.0}, tail_started=0.1), 1)
+    # 10 KB that all came in one burst: its second half, alone, reads faster still.
+    steering.arrived(Part(torch.zeros(1), 4, "float32", 10_000, elapsed_ms=10.0, link_interval=(1.0, 1.01),
+                          timings={"forward_ms": 0.0}, tail_started=1.009), 1)
+    rates = [r.wire_bytes / (r.link_interval[1] - r.link_interval[0]) for r in planner.replies]
+    assert rates == pytest.approx([1e6, 1e6])

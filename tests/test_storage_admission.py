@@ -24,14 +24,15 @@ def _wait_for_depth(admission: Admission, depth: int) -> None:
 class Waiting:
     """A thread that asks for a reservation and records when it got one."""
 
-    def __init__(self, admission: Admission, job: str, need: int, order: list[str], name: str) -> None:
+    def __init__(self, admission: Admission, job: str, need: int, order: list[str], name: str,
+                 place: int = 0) -> None:
         self.reservation: Reservation | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
 
         def run() -> None:
             try:
-                self.reservation = admission.admit(job, need, need)
+                self.reservation = admission.admit(job, need, need, place)
                 order.append(name)
             except Exception as exc:  # noqa: BLE001  recorded for the test to assert on
                 self.error = exc
@@ -79,6 +80,24 @@ def test_a_small_job_is_served_between_a_large_jobs_requests() -> None:
     assert order[:2] == ["large-2", "small"], order
     assert order.index("small") < order.index("large-3")
     assert admission.reserved == 0
+
+
+def test_a_job_s_waiters_are_served_in_its_order_not_as_they_came() -> None:
+    admission = Admission(capacity=100, max_queue=16, queue_timeout_s=30)
+    granted: list[str] = []
+    running = admission.admit("a", 100, 100, 0)
+    waiters = []
+    for depth, place in enumerate((3, 1, 2), start=1):
+        waiters.append(Waiting(admission, "a", 100, granted, f"a{place}", place))
+        _wait_for_depth(admission, depth)
+    running.release()
+    for i in range(3):
+        deadline = time.monotonic() + 10
+        while len(granted) <= i:
+            assert time.monotonic() < deadline, "nobody was granted"
+            time.sleep(0.002)
+        next(w for w in waiters if w.done.is_set() and w.reservation.bytes).result().release()
+    assert granted == ["a1", "a2", "a3"]
 
 
 def test_memory_is_shared_between_active_jobs_not_handed_to_the_first() -> None:

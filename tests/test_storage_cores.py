@@ -155,7 +155,7 @@ def _shares_of_four_cores() -> None:
     both_took = threading.Barrier(2)
 
     def one(name: str, hold: threading.Event, held: threading.Event) -> None:
-        with turns:
+        with turns.turn():
             held.set()
             hold.wait()
             shares[name] = (turns.take_share(), torch.get_num_threads())
@@ -172,7 +172,7 @@ def _shares_of_four_cores() -> None:
     a.join()
     b.join()
     assert shares == {"a": (2, 2), "b": (2, 2)}
-    with turns:
+    with turns.turn():
         assert turns.take_share() == 4
     # torch's thread count is the calling thread's own: another thread's setting leaves ours.
     mine = torch.get_num_threads()
@@ -180,6 +180,41 @@ def _shares_of_four_cores() -> None:
     other.start()
     other.join()
     assert torch.get_num_threads() == mine
+
+
+def test_a_job_s_requests_take_their_turns_in_its_order() -> None:
+    """A job's later request waits while an earlier one of its job is still at the node
+    (fetching), even with a slot free; another job's request does not wait for it."""
+    turns = ComputeTurns(slots=1, cores=1)
+    ran: list[str] = []
+
+    def request(name: str, job: str, order: int, present: threading.Event, go: threading.Event) -> None:
+        with turns.place(job, order) as place:
+            present.set()
+            go.wait()  # its objects are being fetched
+            with turns.turn(place):
+                ran.append(name)
+
+    def start(name: str, job: str, order: int) -> tuple[threading.Thread, threading.Event]:
+        present, go = threading.Event(), threading.Event()
+        thread = threading.Thread(target=request, args=(name, job, order, present, go))
+        thread.start()
+        present.wait()
+        return thread, go
+
+    later, later_go = start("a1", "a", 1)
+    earlier, earlier_go = start("a0", "a", 0)
+    later_go.set()  # the later one fetched first: it waits for the earlier one, slot free or not
+    time.sleep(0.2)
+    assert ran == []
+    other, other_go = start("b5", "b", 5)
+    other_go.set()  # another job's request is behind nothing of its own
+    other.join(timeout=5)
+    assert ran == ["b5"]
+    earlier_go.set()
+    for thread in (earlier, later):
+        thread.join(timeout=5)
+    assert ran == ["b5", "a0", "a1"]
 
 
 def test_slots_and_decoders_follow_the_cores() -> None:

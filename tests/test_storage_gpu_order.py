@@ -37,12 +37,12 @@ class WaitsFor:
         self._admission = admission
         self._ready = ready
 
-    def admit(self, job: str, need: int, want: int):
+    def admit(self, job: str, need: int, want: int, order: int = 0):
         deadline = time.monotonic() + 5
         while not self._ready():
             assert time.monotonic() < deadline, "the load never started waiting"
             time.sleep(0.01)
-        return self._admission.admit(job, need, want)
+        return self._admission.admit(job, need, want, order)
 
     def __getattr__(self, name: str):
         return getattr(self._admission, name)
@@ -76,7 +76,7 @@ def test_a_load_waiting_for_gpu_memory_holds_no_host_memory_a_request_keeping_it
     extractor.validate = lambda request: None
     extractor._run = lambda *args: b"features"
     request = SimpleNamespace(model="first", weights=RANDOM_WEIGHTS, transform=SimpleNamespace(crop_size=8),
-                              job_id="job-a", split=1, keys=[f"k{i}" for i in range(10)], dtype="float32")
+                              job_id="job-a", split=1, keys=[f"k{i}" for i in range(10)], dtype="float32", order=0)
     cost = RequestCost(cache.loaded()[0].memory, 1, 10, 4, extractor.sample_sizes.estimate(), 1, on_device=True)
     host_need = extractor._host_range(request, cost)[0]
     # Were the load holding its host reservation while it waits, the request could not fit beside it.
@@ -114,9 +114,9 @@ def test_a_load_takes_gpu_memory_before_host_memory(fake_models: None) -> None:
             super().__init__(capacity, max_queue=8, queue_timeout_s=1)
             self.name = name
 
-        def admit(self, job: str, need: int, want: int):
+        def admit(self, job: str, need: int, want: int, place: int = 0):
             order.append(self.name)
-            return super().admit(job, need, want)
+            return super().admit(job, need, want, place)
 
     cache = PrefixCache(Recording("host", HOST), (), device=GPU, device_admission=Recording("gpu", 100))
     with cache.lease("first", RANDOM_WEIGHTS, 8, "job-a"):

@@ -146,7 +146,10 @@ def test_resume_refuses_a_checkpoint_of_another_setup(cache_dir, tmp_path, capsy
 def test_auto_split_starts_at_once_explains_and_trains(cache_dir, capsys) -> None:
     assert cli([*SMALL, "--cache-dir", str(cache_dir), "--explain", "--dtypes", "float32,bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert any(line.startswith("planner: a few of the first batch's samples go ahead at split 0")
+    # Where the first batch goes: with a scout ahead, or (where the node's two compute slots
+    # leave no link on which another split is predicted much faster) whole to the safe start.
+    assert any(line.startswith(("planner: a few of the first batch's samples go ahead at split 0",
+                                "planner: starting at split 11/15: storage runs up to 'layer4.0', the safest"))
                for line in out.splitlines())
     table = [line for line in out.splitlines() if line.startswith(("split ", "all-in-compute "))]
     assert len(table) == 1 + 1 + 2 * 11  # all-in-compute, split 0's uint8 images, splits 1..11 in two dtypes

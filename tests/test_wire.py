@@ -41,7 +41,7 @@ def test_uint8_images_are_a_request_at_split_0() -> None:
 def test_request_round_trips_through_json() -> None:
     request = ExtractRequest(keys=("x", "y"), model="resnet18", split=4,
                              transform=TransformSpec(crop_size=64, resize_size=72, augment=True),
-                             dtype="bfloat16", epoch=3, job_id="j1")
+                             dtype="bfloat16", epoch=3, job_id="j1", order=7)
     assert ExtractRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
 
 
@@ -55,6 +55,7 @@ def test_request_round_trips_through_json() -> None:
     ({"keys": ["a"], "model": "resnet18", "split": 1, "dtype": "int8"}, "dtype 'int8'"),
     ({"keys": ["a"], "model": "resnet18", "split": 1, "dtype": "uint8"}, "only split 0 ships"),
     ({"keys": ["a"], "model": "resnet18", "split": 1, "colour": 1}, "unknown field"),
+    ({"keys": ["a"], "model": "resnet18", "split": 1, "order": 1.5}, "'order' must be a int"),
     ({"keys": ["a"], "model": "resnet18", "split": 1, "transform": {"crop_size": 4}}, "bad 'transform'"),
 ])
 def test_bad_requests_name_what_is_wrong(body: object, message: str) -> None:
