@@ -143,10 +143,11 @@ class PipelinedLoader:
         self.cache = cache
         self.advance = advance
 
-    def epoch(self, batches: Sequence[Sequence[Sample]], epoch: int) -> Iterator[Batch]:
+    def epoch(self, batches: Sequence[Sequence[Sample]], epoch: int, first: int = 0) -> Iterator[Batch]:
+        """The batches, assembled in order; ``first``: the place of the first in the run's
+        stream of batches (the order a node serves a job's requests in)."""
         plans = [requests_of(batch, self.request_size) for batch in batches]
         steering = self.steering
-        first = epoch * len(batches)  # the place of this epoch's first batch in the run's stream
         if self.depth == 0:
             for index, (batch, plan) in enumerate(zip(batches, plans)):
                 started = time.perf_counter()
@@ -220,6 +221,8 @@ class PipelinedLoader:
                             # The rest of the batch is on its way: meanwhile the scout's
                             # features run on to the split it comes at.
                             parts[0] = _advanced(parts[0], batch_source[index].split, self.advance)
+                    if index in scouted:
+                        parts = _on_one_device(parts)
                     if not cached:
                         self._keep(chunks, parts)
                     yield _assemble(batch, parts, time.perf_counter() - started, cached)
@@ -239,6 +242,13 @@ def _advanced(part: Part, split: int, advance: Advance) -> Part:
     (all-in-compute's decoded objects are stage 0's input, as split 0's images are)."""
     start, stop = max(part.split, 0), max(split, 0)
     return part if start >= stop else replace(part, features=advance(part.features, start, stop), split=stop)
+
+
+def _on_one_device(parts: list[Part]) -> list[Part]:
+    """The parts' features where the last part's are (a scout's, run on here, are on the CPU;
+    the rest's may have been computed on a GPU here when no node answered)."""
+    device = parts[-1].features.device
+    return [p if p.features.device == device else replace(p, features=p.features.to(device)) for p in parts]
 
 
 def _assemble(batch: Sequence[Sample], parts: list[Part], wait_s: float, cached: bool = False) -> Batch:

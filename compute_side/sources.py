@@ -340,16 +340,10 @@ class Planned:
             return  # computed here, with no node answering: it tells nothing of the link or a node
         # The link's share of a request is all its time but the node's own work: the request
         # and the reply's headers, too, cross the link, and a short reply's body alone is
-        # read at the rate of a shaper's burst or of an unthrottled first window. A longer
-        # reply's head may ride such a burst too, and then its second half, alone, is read
-        # slower: of the two readings the slower is the link's (each overstates the rate in
-        # its own case: the whole where a burst carried its head, the half where it all fitted in one).
+        # read at the rate of a shaper's burst or of an unthrottled first window.
         start, end = part.link_interval
-        nbytes = part.wire_bytes
         if part.split != ALL_IN_COMPUTE:
             node_ms = sum(ms for name, ms in part.timings.items() if name != "shared_wait_ms")
             start = min(start, end - max(part.elapsed_ms - node_ms, 0.0) / 1e3)
-            half = part.tail_started
-            if half is not None and (nbytes - nbytes // 2) * (end - start) < nbytes * (end - half):
-                start, nbytes = half, nbytes - nbytes // 2
-        self.planner.arrived(Reply(part.split, part.dtype, samples, nbytes, (start, end), part.timings))
+        self.planner.arrived(Reply(part.split, part.dtype, samples, part.wire_bytes, (start, end), part.timings,
+                                   part.tail_started))

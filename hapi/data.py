@@ -168,6 +168,7 @@ class Pipeline:
         self.split: int | None = None  # the first batch's split, once running (where known)
         self._loaders: tuple[PipelinedLoader, PipelinedLoader] | None = None
         self._passes = 0  # passes over batches so far, counted alike on every rank
+        self._batches = 0  # batches of those passes (every rank's slices of one batch count once)
 
     def _deployment_args(self) -> argparse.Namespace:
         c = self.config
@@ -245,13 +246,14 @@ class Pipeline:
         # unless augmentation draws new crops every epoch.
         later = (epochs - 1) * ((0 if c.augment else len(self.train_samples)) + len(self.val_samples))
         cached = later if c.feature_cache else 0
+        passes = 2 * epochs - ((epochs - 1) * (1 if c.augment else 2) if c.feature_cache else 0)
         sent = epochs * (len(self.train_samples) + len(self.val_samples)) - cached
         return OnlinePlanner(profile, self.model.spec.freeze_index, batch, -(-sent // ranks),
                              node_passes=max(1, node_passes(clients, max(c.depth, 1) * ranks) // ranks),
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
                              dtypes=tuple(dict.fromkeys((*(c.dtypes or (c.dtype,)), wire_dtype(0, c.dtype)))),
                              batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
-                             cached_samples=-(-cached // ranks), step_ratio=ratio)
+                             cached_samples=-(-cached // ranks), step_ratio=ratio, passes=passes)
 
     def train(self, epoch: int, done: int = 0) -> Iterator[Batch]:
         """The training batches of ``epoch``, shuffled from (seed, epoch), after the first
@@ -265,9 +267,9 @@ class Pipeline:
         batches = batches_of(epoch_order(self.train_samples, epoch, self.config.seed), self.config.batch_size)
         if self.planner is not None:
             self.planner.restarted()
-        slices = self._slices(train_loader, batches[done:])
+        first, slices = self._slices(train_loader, batches[done:])
         try:
-            for batch in to_device(train_loader.epoch([piece for piece in slices if piece], epoch),
+            for batch in to_device(train_loader.epoch([piece for piece in slices if piece], epoch, first),
                                    self.config.device):
                 handed = time.perf_counter()
                 yield batch
@@ -282,20 +284,25 @@ class Pipeline:
     def validation(self) -> Iterator[Batch]:
         """The validation batches, in the manifest's order, never augmented."""
         _, val_loader = self._running()
-        slices = self._slices(val_loader, batches_of(self.val_samples, self.config.batch_size))
-        return to_device(val_loader.epoch([piece for piece in slices if piece], 0), self.config.device)
+        if self.planner is not None:
+            self.planner.restarted()
+        first, slices = self._slices(val_loader, batches_of(self.val_samples, self.config.batch_size))
+        return to_device(val_loader.epoch([piece for piece in slices if piece], 0, first), self.config.device)
 
     def batch_samples(self, step: int) -> int:
         """The size of training step ``step``'s global batch (of which this rank has a slice)."""
         return min(self.config.batch_size, len(self.train_samples) - step * self.config.batch_size)
 
-    def _slices(self, loader: PipelinedLoader, batches: list[list[Sample]]) -> list[list[Sample]]:
-        """This rank's slice of each batch, for a new pass named alike on every rank. Only a
-        last batch smaller than the world leaves some ranks an empty slice."""
+    def _slices(self, loader: PipelinedLoader, batches: list[list[Sample]]) -> tuple[int, list[list[Sample]]]:
+        """This rank's slice of each batch, for a new pass named alike on every rank, and the
+        place of the pass's first batch in the run's stream of batches (alike on every rank:
+        a node serves a job's requests in it). Only a last batch smaller than the world
+        leaves some ranks an empty slice."""
         self._passes += 1
+        first, self._batches = self._batches, self._batches + len(batches)
         if isinstance(loader.steering, Leader | Follower):
             loader.steering.begin(str(self._passes))
-        return [rank_slice(batch, self.world) for batch in batches]
+        return first, [rank_slice(batch, self.world) for batch in batches]
 
     def _advance(self, features: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Inputs of stage ``start`` run through the frozen stages [start, stop), on the device

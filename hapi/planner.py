@@ -168,22 +168,26 @@ def candidates(profile: HostProfile, freeze: int, conditions: Conditions, batch_
 
 
 def safest(options: list[Candidate], profile: HostProfile, freeze: int, conditions: Conditions,
-           batch_size: int, compute_memory_budget: float = math.inf) -> Candidate:
+           batch_size: int, compute_memory_budget: float = math.inf,
+           cached_per_sample: float = 0.0) -> tuple[Candidate, float]:
     """The candidate whose worst slowdown against the best, over every link in ``LINKS``,
-    is least (minimax regret): the choice to start with while the link is unknown. Ties go
-    to the one that moves fewer bytes."""
+    is least (minimax regret), and that slowdown: the choice to start with while the link
+    is unknown. A candidate costs its pace, and ``cached_per_sample`` times this tier's
+    work on a sample: the samples a feature cache will serve for each one sent. Ties go to
+    the one that moves fewer bytes."""
     feasible = [c for c in options if c.feasible]
     if not feasible:
         raise ValueError("no split fits the compute tier's memory; lower --batch-size")
     worst = dict.fromkeys((c.key for c in feasible), 1.0)
     for bandwidth in LINKS:
         at = replace(conditions, bandwidth=bandwidth)
-        paces = {c.key: price(profile, freeze, at, c.split, c.dtype, batch_size, compute_memory_budget).pace_ms
-                 for c in feasible}
-        best = min(paces.values())
-        for key, pace in paces.items():
-            worst[key] = max(worst[key], pace / best)
-    return min(feasible, key=lambda c: (round(worst[c.key], 2), c.bytes_per_sample))
+        priced = (price(profile, freeze, at, c.split, c.dtype, batch_size, compute_memory_budget) for c in feasible)
+        costs = {c.key: c.pace_ms + cached_per_sample * c.compute_ms for c in priced}
+        best = min(costs.values())
+        for key, cost in costs.items():
+            worst[key] = max(worst[key], cost / best)
+    start = min(feasible, key=lambda c: (round(worst[c.key], 2), c.bytes_per_sample))
+    return start, worst[start.key]
 
 
 @dataclass(frozen=True)
@@ -272,9 +276,10 @@ class Reply:
     split: int
     dtype: str
     samples: int
-    wire_bytes: int  # bytes it put on the link in ``link_interval`` (all of them, or the reply's second half)
-    link_interval: tuple[float, float]  # perf_counter times
+    wire_bytes: int
+    link_interval: tuple[float, float]  # perf_counter times it was on the link
     timings: dict[str, float]  # the node's own timings (pushdown) or the reads' (all-in-compute)
+    tail_started: float | None = None  # perf_counter once the first half of its body had arrived
 
 
 class OnlinePlanner:
@@ -289,14 +294,16 @@ class OnlinePlanner:
     def __init__(self, profile: HostProfile, freeze: int, batch_size: int, run_samples: int, raw_bytes: float,
                  dtypes: tuple[str, ...] = ("float32",), batches_in_flight: int = 1,
                  compute_memory_budget: float = math.inf, node_profile: HostProfile | None = None,
-                 cached_samples: int = 0, node_passes: int = 1, step_ratio: Future[float] | None = None) -> None:
+                 cached_samples: int = 0, node_passes: int = 1, step_ratio: Future[float] | None = None,
+                 passes: int = 0) -> None:
         """``profile``: this host's, or another's of its kind with ``step_ratio``: this host's
         prefix and step against the profile's, being timed (the first move waits for it);
         ``node_profile``: the storage node's, where known (else the node is priced as this
         host until its replies say otherwise); ``run_samples``: the samples the run will
         send; ``cached_samples``: those of later epochs that a feature cache will serve
         instead (they cost this tier's work on them alone); ``node_passes``: the run's
-        requests the nodes run at once."""
+        requests the nodes run at once; ``passes``: its passes over batches that send
+        requests (each epoch's training and validation, less those the cache serves)."""
         self.profile, self.freeze, self.batch_size = profile, freeze, batch_size
         self.dtypes, self.memory_budget = dtypes, compute_memory_budget
         self.batches_in_flight = batches_in_flight
@@ -306,9 +313,14 @@ class OnlinePlanner:
         self.run_samples = run_samples  # validation included
         self.remaining = run_samples  # samples the run has yet to send
         self.cached_samples = cached_samples
+        self.passes_left = passes  # passes over batches still to start that send requests
         self.explore_left = EXPLORE_SHARE * run_samples
-        start = safest(self.options(), profile, freeze, self.conditions, batch_size, compute_memory_budget)
+        start, worst = safest(self.options(), profile, freeze, self.conditions, batch_size, compute_memory_budget,
+                              cached_samples / max(run_samples, 1))
         self.plan = single(start)
+        # The scout reads the link where the link decides: where the start may be slower
+        # than the best on some link by more than the model's error.
+        self.scouts = worst > 1 + MODEL_ERROR
         self.settled = False
         self.switches: list[tuple[int, Plan, str]] = []  # (samples sent before it, plan, why)
         self._dealt = [0.0]  # samples sent to each part of the plan
@@ -316,7 +328,7 @@ class OnlinePlanner:
         self._explored: set[tuple[int, str]] = set()
         self._measured: dict[tuple, _Measured] = {}
         self._training_picks: deque[tuple] = deque()  # the plan of each training batch sent, in order
-        self._links: deque[tuple[float, float, int]] = deque(maxlen=RECENT)
+        self._links: deque[tuple[float, float, int, float | None]] = deque(maxlen=RECENT)
         self._node_scales: deque[float] = deque(maxlen=RECENT)
         self._node_fixed: deque[float] = deque(maxlen=RECENT)
         self._node_shared: deque[float] = deque(maxlen=RECENT)
@@ -330,7 +342,6 @@ class OnlinePlanner:
         self._calibrated = False  # a steady-state pace has been charged to the model
         self._scouted = False  # the first batch's scout has gone
         self._scout_bytes = math.inf  # per sample, what the scout shipped
-        self.scouts = self._a_link_could_move_the_start()  # whether the first batch sends a scout (see ``scout``)
 
     def options(self) -> list[Candidate]:
         return candidates(self.profile, self.freeze, self.conditions, self.batch_size, self.dtypes, self.memory_budget)
@@ -355,7 +366,7 @@ class OnlinePlanner:
     def arrived(self, reply: Reply) -> None:
         """Learn the link and the node from one reply."""
         self._arrived += reply.samples
-        self._links.append((*reply.link_interval, reply.wire_bytes))
+        self._links.append((*reply.link_interval, reply.wire_bytes, reply.tail_started))
         bandwidth = _link_rate(self._links)
         if reply.split != ALL_IN_COMPUTE:
             t = reply.timings
@@ -389,8 +400,13 @@ class OnlinePlanner:
             self._filling = self.batches_in_flight
         self._previous_plan = plan
         # A plan's first step also creates its stages' kernels: no reading of this tier's speed.
-        if plan is not None and samples == self.batch_size and not first_step and compute_s > 0:
-            self._step_scales.append(compute_s * 1e3 / samples / self._step_work_ms(plan))
+        # Nor is a step that is mostly the head's: the time of one small layer says little of
+        # the frozen convolutions the scale also prices (a linear head's step ran 8x faster
+        # than its profile here, and priced ResNet-50's whole prefix at 4 ms a sample).
+        work_ms = self._step_work_ms(plan) if plan is not None else 0.0
+        if (work_ms >= 2 * self.profile.train_ms and samples == self.batch_size and not first_step
+                and compute_s > 0):
+            self._step_scales.append(compute_s * 1e3 / samples / work_ms)
             self._rescale_compute()
         # The steps of a pipeline that (re)started waited for it to fill as well: while the
         # batches in flight are those sent when it started, a step is no reading of the pace.
@@ -405,9 +421,11 @@ class OnlinePlanner:
                 self._charge_unseen(measured.pace_ms)
 
     def restarted(self) -> None:
-        """The loader's pipeline starts empty (a new epoch): its first steps are no readings."""
+        """A pass over batches starts (an epoch's training, a validation), its pipeline empty:
+        its first steps are no readings."""
         self._previous_plan = None
         self._training_picks.clear()
+        self.passes_left = max(self.passes_left - 1, 0)
 
     def _charge_unseen(self, wall_ms: float) -> None:
         """Charge what the measured pace shows beyond the model's to a tier it can calibrate,
@@ -464,9 +482,11 @@ class OnlinePlanner:
 
     def run_ms(self, plan: Plan) -> float:
         """What the rest of the run costs on ``plan``: the samples still to send at its pace,
-        and those a feature cache will serve at this tier's work on them."""
+        the fill of each pass still to start (its first batch waits for every stage, one
+        after another), and the samples a feature cache will serve at this tier's work on them."""
         cached_ms = sum(c.compute_ms * share for c, share in zip(plan.parts, plan.shares))
-        return self.expected_ms(plan) * self.remaining + cached_ms * self.cached_samples
+        fills_ms = plan.fill_ms * self.batch_size * self.passes_left
+        return self.expected_ms(plan) * self.remaining + fills_ms + cached_ms * self.cached_samples
 
     def pick(self, samples: int, training: bool = True) -> Candidate:
         """The candidate for the next batch of ``samples`` samples (a training batch, whose
@@ -496,10 +516,9 @@ class OnlinePlanner:
         goes where that reading says. As many as put on the link the bytes the whole batch
         would at the safe start, so that on the slowest link the scout waits no longer than
         that batch would, and reads the link as well. None once one has gone, where the
-        batch has no samples to spare for it, and where no link could make another plan
-        faster than the safe start by more than the model's error (a run whose later epochs
-        a feature cache serves keeps a deep split whatever the link): there the scout
-        would only delay the batch."""
+        batch has no samples to spare for it, and where the safe start is within the model's
+        error of the best on every link (a run whose later epochs a feature cache serves
+        starts at a deep split, the best whatever the link): there it would only delay the batch."""
         image = min((c for c in self.options() if c.split == 0), key=lambda c: c.bytes_per_sample)
         count = min(int(self.plan.bytes_per_sample * samples / image.bytes_per_sample), samples - 1)
         if self.settled or self._scouted or count < 1 or not self.scouts:
@@ -508,18 +527,6 @@ class OnlinePlanner:
         self._scout_bytes = image.bytes_per_sample
         self.remaining -= count
         return image, count
-
-    def _a_link_could_move_the_start(self) -> bool:
-        """Whether, on some link in ``LINKS``, another candidate's run is predicted faster
-        than the start's by more than the model's error."""
-        for bandwidth in LINKS:
-            at = replace(self.conditions, bandwidth=bandwidth)
-            start = price(self.profile, self.freeze, at, *self.plan.parts[0].key, self.batch_size, self.memory_budget)
-            bar = self.run_ms(single(start)) * (1 - MODEL_ERROR)
-            if any(self.run_ms(single(c)) < bar for c in candidates(
-                    self.profile, self.freeze, at, self.batch_size, self.dtypes, self.memory_budget) if c.feasible):
-                return True
-        return False
 
     def _replan(self) -> None:
         if self._step_ratio is not None:
@@ -617,12 +624,22 @@ class OnlinePlanner:
         return "\n".join(lines)
 
 
-def _link_rate(transfers: Iterable[tuple[float, float, int]]) -> float | None:
-    """Bytes/s while the link was busy: the bytes of ``transfers`` (start, end, bytes) over
-    the union of their intervals, so that replies sharing the link are not each read as
-    the link's whole rate."""
-    busy, covered_to, total = 0.0, -math.inf, 0
-    for start, end, nbytes in sorted(transfers):
+def _link_rate(transfers: Iterable[tuple[float, float, int, float | None]]) -> float | None:
+    """Bytes/s while the link was busy: the bytes of ``transfers`` (start, end, bytes, and
+    when the second half of the bytes began, if known) over the union of their intervals,
+    so that replies sharing the link are not each read as the link's whole rate.
+
+    A reply alone on the link counts at the slower of its whole and its second half: a
+    reply's head may ride a shaper's burst or buffers filled while the link was idle (its
+    second half reads slower then), and a short one may fit in them whole (its second half
+    reads faster). A reply sharing the link may read slower in its second half only because
+    others joined, so it counts whole."""
+    spans = sorted(transfers, key=lambda t: t[:2])
+    busy, covered_to, total = 0.0, -math.inf, 0.0
+    for i, (start, end, nbytes, half) in enumerate(spans):
+        alone = covered_to <= start and (i + 1 == len(spans) or spans[i + 1][0] >= end)
+        if alone and half is not None and start <= half < end:
+            nbytes = min(nbytes, (nbytes - nbytes // 2) * (end - start) / (end - half))
         busy += max(end - max(start, covered_to), 0.0)
         covered_to = max(covered_to, end)
         total += nbytes

@@ -302,10 +302,11 @@ class Extractor:
         if others_ms is not None:
             timings["others_cpu_ms"] = round(others_ms * n, 3)
         # Of the time this request waited, the part spent behind other jobs' requests (a
-        # share by how many jobs are active): what a busy node costs this job. The rest was
-        # its own requests queueing behind each other, which the node's work already counts.
+        # share by how many jobs are active, of what it did not wait for its own job's
+        # earlier ones): what a busy node costs this job. The rest was its own requests
+        # queueing behind each other, which the node's work already counts.
         jobs = self.admission.jobs_active if self.admission else 1
-        waited_ms = timings.get("queue_ms", 0.0) + timings["turn_wait_ms"]
+        waited_ms = timings.get("queue_ms", 0.0) + timings["turn_wait_ms"] - place.behind_s * 1e3
         timings["shared_wait_ms"] = round(waited_ms * (1 - 1 / max(jobs, 1)), 3)
         started = time.perf_counter()
         stage_name = prefix.stage_names[request.split - 1] if request.split else "input"

@@ -18,15 +18,17 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import mmap
 import multiprocessing
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate, count
 from typing import Protocol
 
@@ -66,21 +68,27 @@ def pin_cores(count: int) -> list[int]:
 
 @dataclass(eq=False)
 class Place:
-    """A request at the node, from its admission until it leaves: ``order`` is its batch's
-    place in the stream of its job (None: a pass that belongs to no stream)."""
+    """A request at the node, from its admission until it leaves. ``job`` None: a pass
+    that belongs to no job's stream; ``order``: its batch's place in its job's stream."""
 
     job: str | None
     order: int
-    waiting: bool = False  # for a compute turn
+    came: float = field(default_factory=time.monotonic)
+    state: str = "fetching"  # then "waiting" for a compute turn, then "running"
+    patience: float = math.inf  # until when it waits for earlier requests of its job
+    behind_s: float = 0.0  # of its wait for a turn, the time it spent behind them
 
 
 class ComputeTurns:
     """Forward passes run at once, one per slot, each on its share of the cores.
 
     A free slot goes to the waiting request that came first, except that a job's requests
-    run in their order: a request does not take a slot while an earlier one of its job is
-    at the node, still fetching or decoding. The trainer needs that one first, and it
-    would otherwise wait for a whole pass of a later one that happened to fetch sooner.
+    take their turns in their order: a request waits while an earlier one of its job is at
+    the node and has not had its turn yet (it is still fetching or decoding). The trainer
+    needs that one first, and would otherwise wait for a whole pass of a later one that
+    happened to fetch sooner. It waits at most as long again as it took itself to come to
+    its turn: an earlier request slower than that is stuck or slow, not merely behind, and
+    holds up nothing.
 
     A pass takes ``threads`` intra-op threads when that is set; otherwise the cores divided
     among the passes running now, read at each sub-batch: a request alone gets every core,
@@ -119,10 +127,21 @@ class ComputeTurns:
             if place is None:
                 place = stack.enter_context(self.place(None, 0))
             with self._changed:
-                place.waiting = True
-                self._changed.wait_for(lambda: self.slots is None or self._next() is place)
-                place.waiting = False
+                now = started = time.monotonic()
+                place.state, place.patience = "waiting", 2 * started - place.came
+                cleared = None  # when it was first behind no earlier request of its job
+                while self.slots is not None:
+                    behind = self._behind(place, now)
+                    if cleared is None and not behind:
+                        cleared = now
+                    if self._next(now) is place:
+                        break
+                    self._changed.wait(place.patience - now if behind else None)
+                    now = time.monotonic()
+                place.behind_s = (cleared or started) - started
+                place.state = "running"
                 self.busy += 1
+                self._changed.notify_all()  # those behind it wait no more, and a slot may be left
             try:
                 yield self
             finally:
@@ -130,15 +149,16 @@ class ComputeTurns:
                     self.busy -= 1
                     self._changed.notify_all()
 
-    def _next(self) -> Place | None:
+    def _next(self, now: float) -> Place | None:
         """The request the next free slot goes to, if one is free."""
         if self.busy >= self.slots:
             return None
-        return next((p for p in self._present if p.waiting and not self._behind(p)), None)
+        return next((p for p in self._present if p.state == "waiting" and not self._behind(p, now)), None)
 
-    def _behind(self, place: Place) -> bool:
-        """Whether an earlier request of ``place``'s job is at the node."""
-        return place.job is not None and any(p.job == place.job and p.order < place.order for p in self._present)
+    def _behind(self, place: Place, now: float) -> bool:
+        """Whether ``place`` still waits for an earlier request of its job to have its turn."""
+        return place.job is not None and now < place.patience and any(
+            p.job == place.job and p.order < place.order and p.state != "running" for p in self._present)
 
     def take_share(self) -> int:
         """Set this thread's intra-op threads to its share of the cores now; returns it."""

@@ -80,9 +80,10 @@ def test_requests_never_straddle_a_shard_and_respect_the_size() -> None:
 def test_every_sample_arrives_once_in_order_with_the_users_batch(depth: int) -> None:
     samples = epoch_order(_plain(50), epoch=0, seed=3)
     source = RecordingSource()
-    batches = list(PipelinedLoader(source, request_size=3, depth=depth).epoch(batches_of(samples, 8), epoch=2))
+    loader = PipelinedLoader(source, request_size=3, depth=depth)
+    batches = list(loader.epoch(batches_of(samples, 8), epoch=2, first=14))
     assert [len(b.keys) for b in batches] == [8] * 6 + [2]
-    # Each request carries its batch's place in the run's stream: 7 batches an epoch, epoch 2.
+    # Each request carries its batch's place in the run's stream, from the pass's first.
     assert sorted(source.orders) == [14 + i for i, batch in enumerate(batches) for _ in range(batch.requests)]
     assert [k for b in batches for k in b.keys] == [s.key for s in samples]
     features = torch.cat([b.features for b in batches]).flatten().tolist()

@@ -198,14 +198,11 @@ class Listening:
         self.replies.append(reply)
 
 
-def test_the_link_is_read_at_the_slower_of_a_whole_reply_and_its_second_half() -> None:
+def test_the_planner_hears_of_a_request_s_time_on_the_link_and_its_second_half() -> None:
     planner = Listening()
-    steering = Planned(planner, sources=None)
-    # 1 MB whose first half came in a shaper's burst (0.1 s), the second at the link's 1 MB/s.
-    steering.arrived(Part(torch.zeros(1), 4, "float32", 1_000_000, elapsed_ms=600.0, link_interval=(0.0, 0.6),
-                          timings={"forward_ms": 0.0}, tail_started=0.1), 1)
-    # 10 KB that all came in one burst: its second half, alone, reads faster still.
-    steering.arrived(Part(torch.zeros(1), 4, "float32", 10_000, elapsed_ms=10.0, link_interval=(1.0, 1.01),
-                          timings={"forward_ms": 0.0}, tail_started=1.009), 1)
-    rates = [r.wire_bytes / (r.link_interval[1] - r.link_interval[0]) for r in planner.replies]
-    assert rates == pytest.approx([1e6, 1e6])
+    Planned(planner, sources=None).arrived(Part(torch.zeros(1), 4, "float32", 1_000_000, elapsed_ms=700.0,
+                                                link_interval=(0.1, 0.6), timings={"forward_ms": 50.0},
+                                                tail_started=0.3), 1)
+    (reply,) = planner.replies
+    # All the request's time but the node's own work: from 650 ms before the body's end.
+    assert reply.link_interval == pytest.approx((-0.05, 0.6)) and reply.tail_started == 0.3

@@ -204,7 +204,8 @@ def test_a_job_s_requests_take_their_turns_in_its_order() -> None:
 
     later, later_go = start("a1", "a", 1)
     earlier, earlier_go = start("a0", "a", 0)
-    later_go.set()  # the later one fetched first: it waits for the earlier one, slot free or not
+    time.sleep(2.0)  # the later one's fetch: it may wait as long again for the earlier one
+    later_go.set()  # it fetched first: it waits for the earlier one, slot free or not
     time.sleep(0.2)
     assert ran == []
     other, other_go = start("b5", "b", 5)
@@ -215,6 +216,20 @@ def test_a_job_s_requests_take_their_turns_in_its_order() -> None:
     for thread in (earlier, later):
         thread.join(timeout=5)
     assert ran == ["b5", "a0", "a1"]
+
+
+def test_a_job_s_requests_run_side_by_side_once_the_earlier_has_its_turn() -> None:
+    turns = ComputeTurns(slots=2, cores=2)
+    with turns.place("a", 0) as first, turns.turn(first), turns.place("a", 1) as second, turns.turn(second):
+        assert turns.busy == 2 and second.behind_s == 0
+
+
+def test_behind_an_earlier_request_that_is_stuck_a_request_waits_as_long_again_as_it_took_to_come() -> None:
+    turns = ComputeTurns(slots=1, cores=1)
+    with turns.place("a", 0), turns.place("a", 1) as later:  # the earlier one never comes to its turn
+        time.sleep(0.2)  # the later one's fetch
+        with turns.turn(later):
+            assert 0.199 <= later.behind_s < 5  # (0.2 s, less float rounding)
 
 
 def test_slots_and_decoders_follow_the_cores() -> None:
