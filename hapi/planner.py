@@ -289,6 +289,8 @@ class OnlinePlanner:
     with each reply; the training loop calls ``trained()`` after each step. Until the
     first reply (the scout's, or the first batch's) has arrived (``settled`` false), the
     loader sends nothing else: it measures the link before the pipeline commits to a plan.
+    Where the link cannot move the run off its start (``scouts`` false), the pipeline fills
+    at once, and the run re-plans from the first reply on.
     """
 
     def __init__(self, profile: HostProfile, freeze: int, batch_size: int, run_samples: int, raw_bytes: float,
@@ -321,7 +323,7 @@ class OnlinePlanner:
         # The scout reads the link where the link decides: where the start may be slower
         # than the best on some link by more than the model's error.
         self.scouts = worst > 1 + MODEL_ERROR
-        self.settled = False
+        self.settled = not self.scouts
         self.switches: list[tuple[int, Plan, str]] = []  # (samples sent before it, plan, why)
         self._dealt = [0.0]  # samples sent to each part of the plan
         self._exploring: tuple[Candidate, int] | None = None  # (candidate, batches still to send)
@@ -491,7 +493,7 @@ class OnlinePlanner:
     def pick(self, samples: int, training: bool = True) -> Candidate:
         """The candidate for the next batch of ``samples`` samples (a training batch, whose
         step will be reported to ``trained``, or not)."""
-        if self.settled:
+        if self._arrived:
             self._replan()
         self.remaining -= samples
         if self._exploring is not None:

@@ -168,6 +168,8 @@ def test_no_scout_goes_where_no_link_could_move_the_run_off_its_start() -> None:
 
     cached = run(4 * 170)
     assert cached.plan.parts[0].split >= 21 and cached.scout(32) is None
+    # Nor does the pipeline wait for the first reply: the plan stands until replies arrive.
+    assert cached.settled and [cached.pick(32).key for _ in range(4)] == [cached.plan.parts[0].key] * 4
     assert run(0).scout(32)[1] == 6
 
 
