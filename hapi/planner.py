@@ -403,8 +403,7 @@ class OnlinePlanner:
         self._previous_plan = plan
         # A plan's first step also creates its stages' kernels: no reading of this tier's speed.
         # Nor is a step that is mostly the head's: the time of one small layer says little of
-        # the frozen convolutions the scale also prices (a linear head's step ran 8x faster
-        # than its profile here, and priced ResNet-50's whole prefix at 4 ms a sample).
+        # the frozen convolutions the scale also prices.
         work_ms = self._step_work_ms(plan) if plan is not None else 0.0
         if (work_ms >= 2 * self.profile.train_ms and samples == self.batch_size and not first_step
                 and compute_s > 0):
@@ -521,9 +520,11 @@ class OnlinePlanner:
         batch has no samples to spare for it, and where the safe start is within the model's
         error of the best on every link (a run whose later epochs a feature cache serves
         starts at a deep split, the best whatever the link): there it would only delay the batch."""
+        if self.settled or self._scouted:  # settled from the start where it ``scouts`` not
+            return None
         image = min((c for c in self.options() if c.split == 0), key=lambda c: c.bytes_per_sample)
         count = min(int(self.plan.bytes_per_sample * samples / image.bytes_per_sample), samples - 1)
-        if self.settled or self._scouted or count < 1 or not self.scouts:
+        if count < 1:
             return None
         self._scouted = True
         self._scout_bytes = image.bytes_per_sample
