@@ -10,13 +10,18 @@ fair share allows: the memory not kept by loaded models, divided by the jobs act
 (running or waiting), less what its job holds already. So memory is not handed whole to
 whichever job came first, and a job's later requests run smaller, not its neighbours'.
 At most ``max_running`` requests hold memory at once (about what the cores can keep
-busy); more would only cut the same memory into smaller, slower sub-batches.
+busy); more would only cut the same memory into smaller, slower sub-batches. The one
+exception is a request of a job with a later batch running already: that later batch
+waits for the earlier one's compute turn (``ComputeTurns``), so admitting it runs no
+more at once, and refusing it would hold the batch the trainer needs first behind the
+ones it needs after.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
 import threading
 import time
 from collections import deque
@@ -27,13 +32,17 @@ from storage_side.errors import Busy
 
 log = logging.getLogger(__name__)
 
+# The order of a request outside its job's stream of batches (a profile): after them all.
+OUTSIDE_STREAM = sys.maxsize
+
 
 class Reservation:
     """Bytes held against the budget until released (also on ``with`` exit)."""
 
-    def __init__(self, admission: Admission, job: str, nbytes: int) -> None:
+    def __init__(self, admission: Admission, job: str, nbytes: int, order: int) -> None:
         self._admission = admission
         self.job: str | None = job  # None once kept: no longer a job's running request
+        self.order = order
         self.bytes = nbytes
         self._since = time.monotonic()
         self._released = False
@@ -72,7 +81,7 @@ class _Waiter:
     need: int
     want: int
     woken: threading.Condition  # on the admission's lock: a grant wakes its own waiter only
-    order: int = 0  # its batch's place in the job's stream
+    order: int  # its batch's place in the job's stream
     granted: int = 0
 
 
@@ -93,6 +102,7 @@ class Admission:
         self.peak_reserved = 0
         self.kept = 0  # bytes held but no longer by a running request (loaded models, replies being sent)
         self._running: dict[str, int] = {}  # job -> bytes its running requests hold
+        self._orders: dict[str, list[int]] = {}  # job -> the orders of its running requests
         # Called with a number of bytes when waiters cannot fit: frees what it can (the
         # prefix cache evicts idle prefixes). It may release reservations re-entrantly.
         self.reclaim: Callable[[int], None] = lambda nbytes: None
@@ -121,7 +131,7 @@ class Admission:
         """When a refused request should come back: about when one running now will be done."""
         return max(1, min(60, math.ceil(self._mean_hold_s)))
 
-    def admit(self, job: str, need: int, want: int, order: int = 0) -> Reservation:
+    def admit(self, job: str, need: int, want: int, order: int = OUTSIDE_STREAM) -> Reservation:
         """Reserve between ``need`` and ``want`` bytes for ``job``, waiting for a fair turn;
         a job's own requests in ``order`` (their batches' places in its stream).
 
@@ -147,7 +157,7 @@ class Admission:
                                f"({self.free} of {self.capacity} free, {self.running} of {self.max_running} "
                                "requests running); retry later", self.retry_after_s())
                 waiter.woken.wait(remaining)
-        return Reservation(self, job, waiter.granted)
+        return Reservation(self, job, waiter.granted, order)
 
     def _enqueue(self, waiter: _Waiter) -> None:
         lane = self._lanes.setdefault(waiter.job, deque())
@@ -173,8 +183,7 @@ class Admission:
             return
         self._dispatching = True
         try:
-            while self._turns and self.running < self.max_running:
-                job = self._turns[0]
+            while (job := self._next_job()) is not None:
                 waiter = self._lanes[job][0]
                 if self.free < waiter.need:
                     self.reclaim(waiter.need - self.free)
@@ -185,10 +194,11 @@ class Admission:
                 waiter.granted = min(waiter.want, self.free, max(waiter.need, share))
                 self._hold(waiter.granted)
                 self._running[job] = self._running.get(job, 0) + waiter.granted
+                self._orders.setdefault(job, []).append(waiter.order)
                 self.running += 1
                 lane = self._lanes[job]
                 lane.popleft()
-                self._turns.popleft()
+                self._turns.remove(job)
                 if lane:
                     self._turns.append(job)
                 else:
@@ -196,6 +206,14 @@ class Admission:
                 waiter.woken.notify()
         finally:
             self._dispatching = False
+
+    def _next_job(self) -> str | None:
+        """The job whose first waiter is granted next: the round-robin's next while fewer than
+        ``max_running`` run, else the first whose waiter a later running batch of its job waits on."""
+        if self.running < self.max_running:
+            return self._turns[0] if self._turns else None
+        return next((job for job in self._turns
+                     if self._lanes[job][0].order < max(self._orders.get(job, ()), default=-math.inf)), None)
 
     def _hold(self, nbytes: int) -> None:
         self.reserved += nbytes
@@ -216,9 +234,9 @@ class Admission:
             if reservation.job is None:
                 return
             self._forget(reservation.job, reservation.bytes)
+            self._stopped(reservation)
             reservation.job = None
             self.kept += reservation.bytes
-            self.running -= 1
             self._mean_hold_s += 0.1 * (time.monotonic() - reservation._since - self._mean_hold_s)
             self._dispatch()
 
@@ -238,5 +256,13 @@ class Admission:
             self._forget(reservation.job, nbytes)
             if held_s is not None and reservation.job is not None:
                 self._mean_hold_s += 0.1 * (held_s - self._mean_hold_s)
-                self.running -= 1
+                self._stopped(reservation)
             self._dispatch()
+
+    def _stopped(self, reservation: Reservation) -> None:
+        """``reservation`` no longer counts as its job's running request."""
+        self.running -= 1
+        orders = self._orders[reservation.job]
+        orders.remove(reservation.order)
+        if not orders:
+            del self._orders[reservation.job]

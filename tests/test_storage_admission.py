@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from storage_side.admission import Admission, Reservation
+from storage_side.admission import OUTSIDE_STREAM, Admission, Reservation
 from storage_side.errors import Busy
 
 
@@ -25,7 +25,7 @@ class Waiting:
     """A thread that asks for a reservation and records when it got one."""
 
     def __init__(self, admission: Admission, job: str, need: int, order: list[str], name: str,
-                 place: int = 0) -> None:
+                 place: int = OUTSIDE_STREAM) -> None:
         self.reservation: Reservation | None = None
         self.error: Exception | None = None
         self.done = threading.Event()
@@ -187,3 +187,34 @@ def test_at_most_max_running_requests_hold_memory_and_share_it() -> None:
     second.release()
     third.result().release()
     assert admission.running == 0 and admission.reserved == 0
+
+
+def test_an_earlier_batch_of_a_job_is_admitted_past_the_running_limit_that_its_later_ones_fill() -> None:
+    """Batches 2 and 3 took both running places before batch 1 came: batch 1 goes in at
+    once (they wait for its compute turn), while another job and batch 4 still wait."""
+    admission = Admission(capacity=1000, max_queue=8, queue_timeout_s=30, max_running=2)
+    later = [admission.admit("a", 100, 100, order) for order in (2, 3)]
+    granted: list[str] = []
+    other = Waiting(admission, "b", 100, granted, "b", 0)
+    fourth = Waiting(admission, "a", 100, granted, "a4", 4)
+    _wait_for_depth(admission, 2)
+    first = admission.admit("a", 100, 100, 1)
+    assert admission.running == 3 and not other.done.is_set() and not fourth.done.is_set()
+    first.release()
+    later[0].release()  # below the limit again: the round-robin goes on, job b first
+    assert other.result().bytes == 100 and not fourth.done.is_set()
+    later[1].release()
+    fourth.result().release()
+    other.result().release()
+    assert granted == ["b", "a4"] and admission.running == 0 and admission.reserved == 0
+
+
+def test_a_request_outside_the_stream_waits_behind_the_running_limit() -> None:
+    admission = Admission(capacity=1000, max_queue=8, queue_timeout_s=30, max_running=1)
+    running = admission.admit("a", 100, 100, 5)
+    profile = Waiting(admission, "a", 100, [], "profile")  # no order: never past the limit
+    _wait_for_depth(admission, 1)
+    assert not profile.done.is_set()
+    running.release()
+    profile.result().release()
+    assert admission.running == 0
