@@ -145,9 +145,11 @@ class AutoRun:
     predicted: dict[str, dict]  # candidate label -> its --explain line, parsed
 
 
-def run_auto(storage: StorageHost, name: str, image_size: int, batch_size: int, depth: int, work: Path) -> AutoRun:
-    """One ``--split auto`` run of an epoch of the data set's training samples, as a user runs it."""
-    out = work / f"{name}-{image_size}-b{batch_size}-{time.monotonic_ns()}"
+def run_auto(storage: StorageHost, name: str, image_size: int, batch_size: int, depth: int, work: Path,
+             runs: Path) -> AutoRun:
+    """One ``--split auto`` run of an epoch of the data set's training samples, as a user
+    runs it, its output (metrics.jsonl) under ``runs``."""
+    out = runs / f"{name}-{image_size}-b{batch_size}-{time.monotonic_ns()}"
     command = [sys.executable, "-m", "hapi.train", "--model", name, "--image-size", str(image_size),
                "--batch-size", str(batch_size), "--depth", str(depth), "--epochs", "1", "--split", "auto",
                "--explain", "--store", storage.store.url, "--endpoint-url", storage.swift.endpoint_url,
@@ -208,7 +210,8 @@ def label_of(plan: PlanKey) -> str:
 def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, args: argparse.Namespace,
                bandwidth: float, work: Path) -> list[dict]:
     image_size = args.image_size or IMAGE_SIZES.get(name, IMAGE_SIZE)
-    auto = run_auto(storage, name, image_size, batch_size, args.depth, work)
+    runs = args.keep_runs / f"{bandwidth:g}mbit" if args.keep_runs else work
+    auto = run_auto(storage, name, image_size, batch_size, args.depth, work, runs)
     model = build_model(name, input_size=image_size)
     model.replace_head(10)
     trainer = HeadTrainer(model, TrainConfig())
@@ -422,6 +425,7 @@ def main() -> int:
                    help="resnet18 and alexnet at 10 and 50 Mbit/s, 64 px, runs of 120 samples, short windows")
     p.add_argument("--daemon-args", default="", help="extra options of the storage daemon, e.g. '--max-running 1'")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--keep-runs", type=Path, help="keep each --split auto run's output (metrics.jsonl) here")
     args = p.parse_args()
     if args.quick:  # explicit options still win
         defaults = p.parse_args([])
