@@ -152,6 +152,10 @@ class PushdownSource:
         return replace(part, elapsed_ms=(time.perf_counter() - started) * 1e3)
 
 
+# The node's timings of a request that follow one another in its wall time (the others
+# are CPU readings and shares of these).
+NODE_PHASES = ("load_ms", "queue_ms", "fetch_ms", "turn_wait_ms", "decode_wait_ms", "forward_ms", "encode_ms")
+
 # A request to a node with no measured pace at its split is hedged after this long: its
 # first request may load the model; a hung node at the very start costs this once.
 FIRST_DEADLINE_S = 30.0
@@ -343,7 +347,7 @@ class Planned:
         # read at the rate of a shaper's burst or of an unthrottled first window.
         start, end = part.link_interval
         if part.split != ALL_IN_COMPUTE:
-            node_ms = sum(ms for name, ms in part.timings.items() if name != "shared_wait_ms")
+            node_ms = sum(part.timings.get(name, 0.0) for name in NODE_PHASES)
             start = min(start, end - max(part.elapsed_ms - node_ms, 0.0) / 1e3)
         self.planner.arrived(Reply(part.split, part.dtype, samples, part.wire_bytes, (start, end), part.timings,
                                    part.tail_started))

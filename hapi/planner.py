@@ -344,6 +344,7 @@ class OnlinePlanner:
         self._calibrated = False  # a steady-state pace has been charged to the model
         self._scouted = False  # the first batch's scout has gone
         self._scout_bytes = math.inf  # per sample, what the scout shipped
+        self._node_served: set[int] = set()  # the splits the nodes served a batch at
 
     def options(self) -> list[Candidate]:
         return candidates(self.profile, self.freeze, self.conditions, self.batch_size, self.dtypes, self.memory_budget)
@@ -370,15 +371,24 @@ class OnlinePlanner:
         self._arrived += reply.samples
         self._links.append((*reply.link_interval, reply.wire_bytes, reply.tail_started))
         bandwidth = _link_rate(self._links)
-        if reply.split != ALL_IN_COMPUTE:
+        # The node's pace is read from batches after its first at a split, which pays its
+        # cold start (the prefix's load and first passes, the store's first reads), and
+        # never from the scout: its few samples' reads are mostly latency that a batch spreads.
+        scout = self._scouted and not self.settled
+        first = reply.split not in self._node_served
+        if not scout:
+            self._node_served.add(reply.split)
+        if reply.split != ALL_IN_COMPUTE and not scout and not first:
             t = reply.timings
-            forward = t.get("forward_ms", 0.0) / reply.samples
+            # The prefix's own time: what others ran on its cores meanwhile is counted once, below.
+            forward_ms = t.get("forward_ms", 0.0) - t.get("others_in_forward_ms", 0.0)
+            forward = forward_ms / reply.samples
             # The next request's objects are fetched while this one's prefix runs, except the
             # work others do for them on the node's cores (a store beside the node): the cores
             # do that and the prefix one after the other, while the reads' waits overlap them.
             # A wait behind other jobs makes it a slower node.
             shared = t.get("others_cpu_ms", 0.0)
-            turn = t.get("decode_wait_ms", 0.0) + t.get("forward_ms", 0.0)
+            turn = t.get("decode_wait_ms", 0.0) + forward_ms
             busy = (max(t.get("fetch_ms", 0.0) - shared, turn + shared) + t.get("encode_ms", 0.0)
                     + t.get("shared_wait_ms", 0.0)) / reply.samples
             self._node_shared.append(shared / reply.samples)

@@ -60,7 +60,8 @@ class CoreShare:
         self._mark: float | None = None  # others' seconds when the last request ended (or the first began)
         self._recent: deque[tuple[float, int]] = deque(maxlen=RECENT)  # (others' seconds, samples) per request
 
-    def _others_s(self) -> float | None:
+    def others_s(self) -> float | None:
+        """Others' CPU seconds on the cores since boot; None where not measurable here."""
         busy = cores_busy_s(self.cores)
         if busy is None:
             return None
@@ -69,7 +70,7 @@ class CoreShare:
     def started(self) -> None:
         with self._lock:
             if self._running == 0:
-                self._mark = self._others_s()
+                self._mark = self.others_s()
             self._running += 1
 
     def finished(self, samples: int) -> float | None:
@@ -79,7 +80,7 @@ class CoreShare:
         running overlap."""
         with self._lock:
             self._running -= 1
-            now = self._others_s()
+            now = self.others_s()
             if now is None or self._mark is None:
                 return None
             if samples:  # a failed request's share goes to no sample

@@ -117,11 +117,19 @@ def planner(run_samples: int = 10_000) -> OnlinePlanner:
     return OnlinePlanner(PROFILE, FREEZE, BATCH, run_samples, RAW, batches_in_flight=2)
 
 
-def test_the_first_reply_moves_the_run_off_the_safe_start_when_the_link_is_fast_and_the_node_slow() -> None:
+def warm(p: OnlinePlanner, r: Reply) -> None:
+    """``r`` after the node's first reply at its split, which reads the link only (its cold
+    start); that one was on the link just before ``r``, at the same rate."""
+    start, end = r.link_interval
+    p.arrived(replace(r, link_interval=(2 * start - end, start)))
+    p.arrived(r)
+
+
+def test_the_first_replies_move_the_run_off_the_safe_start_when_the_link_is_fast_and_the_node_slow() -> None:
     p = planner()
     assert (p.pick(BATCH).key, p.settled) == ((3, "float32"), False)
     # 64 KB in 0.5 ms: 128 MB/s; the node is 30x slower than this host.
-    p.arrived(reply(3, BATCH, 0.0, 0.0005, **SLOW_NODE))
+    warm(p, reply(3, BATCH, 0.0, 0.0005, **SLOW_NODE))
     assert p.settled and p.conditions.node_scale == pytest.approx(30.0)
     assert p.pick(BATCH).split == ALL_IN_COMPUTE
     assert "predicted" in p.switches[-1][2]
@@ -180,13 +188,32 @@ def test_a_slow_link_keeps_the_run_where_it_started() -> None:
     assert p.pick(BATCH).key == (3, "float32") and not p.switches
 
 
+def test_the_node_s_pace_is_read_after_its_first_batch_at_a_split_and_never_from_a_scout() -> None:
+    p = planner()
+    _, count = p.scout(BATCH)
+    # The scout's few samples wait 60 ms a sample for their reads: latency a batch spreads.
+    p.arrived(reply(0, count, 0.0, 0.0001, decode_wait_ms=60.0 * count))
+    assert p.settled and p.conditions.bandwidth and p.conditions.node_fixed_ms is None
+    p.pick(BATCH - count)
+    # The node's first batch at split 0 pays its cold start (10 ms a sample); the next reads 2.
+    p.arrived(reply(0, BATCH, 0.001, 0.0001, decode_wait_ms=10.0 * BATCH))
+    assert p.conditions.node_fixed_ms is None
+    p.arrived(reply(0, BATCH, 0.002, 0.0001, decode_wait_ms=2.0 * BATCH))
+    assert p.conditions.node_fixed_ms == pytest.approx(2.0)
+    # So is its first at split 3, where the prefix was loaded: 30 ms a stage, then 2.
+    p.arrived(reply(3, BATCH, 0.003, 0.0001, **node_timings(3, BATCH, 30.0)))
+    assert p.conditions.node_scale == 1.0
+    p.arrived(reply(3, BATCH, 0.004, 0.0001, **node_timings(3, BATCH, 2.0)))
+    assert p.conditions.node_scale == pytest.approx(2.0)
+
+
 def test_a_gain_that_cannot_pay_for_the_switch_before_the_run_ends_is_not_taken() -> None:
     def second_pick(run_samples: int) -> tuple[int, str]:
         p = planner(run_samples)
         p.pick(BATCH)
         # 8 MB/s, a node 3x slower than this host: split 0 (6.1 ms a sample) beats split 3
         # (11 ms), but its first batch waits 6.5 ms a sample longer to fill the pipeline.
-        p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 3.0)))
+        warm(p, reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 3.0)))
         return p.pick(BATCH).key
 
     assert second_pick(run_samples=10_000) == (0, "float32")
@@ -292,7 +319,7 @@ def test_what_the_node_s_timings_leave_out_is_charged_to_the_node() -> None:
 def test_a_mix_must_beat_either_of_its_candidates_alone_by_the_model_s_error() -> None:
     p = planner()
     p.pick(BATCH)
-    p.arrived(reply(3, BATCH, 0.0, 0.0005, **SLOW_NODE))
+    warm(p, reply(3, BATCH, 0.0, 0.0005, **SLOW_NODE))
     # All-in-compute alone: 6.5 ms a sample; with 5% of the batches at split 2 the node
     # would take 6.3: within the model's error, so no mix is offered.
     assert all(len(plan.parts) == 1 for plan in p.plans())
@@ -327,13 +354,13 @@ def test_the_node_and_this_tier_share_the_batches_when_both_are_needed() -> None
 def test_a_plan_measured_slower_than_predicted_is_left_though_the_model_preferred_it() -> None:
     p = planner()
     p.pick(BATCH)
-    p.arrived(reply(3, BATCH, 0.0, 0.0005, **SLOW_NODE))
+    warm(p, reply(3, BATCH, 0.0, 0.0005, **SLOW_NODE))
     assert p.pick(BATCH).split == ALL_IN_COMPUTE  # predicted at 6.5 ms a sample
     steps(p, 6, 200.0, 0.001)  # two fill the new pipeline; four read 200 ms a sample
     aic = next(c for c in p.options() if c.split == ALL_IN_COMPUTE)
     assert p.expected_ms(single(aic)) == pytest.approx(200.0)
     p.pick(BATCH)
-    assert ALL_IN_COMPUTE not in {c.split for c in p.plan.parts}
+    assert p.plan.key != single(aic).key
 
 
 def test_exploration_stays_within_its_share_of_the_run_and_a_short_run_never_explores() -> None:
@@ -447,20 +474,32 @@ def test_a_store_on_the_node_s_cores_is_priced_beside_its_prefix_not_under_it() 
     timings = {**node_timings(3, BATCH, 1.0), "fetch_ms": 4.0 * BATCH}
     remote = planner()
     remote.pick(BATCH)
-    remote.arrived(reply(3, BATCH, 0.0, 0.0005, **timings))
+    warm(remote, reply(3, BATCH, 0.0, 0.0005, **timings))
     assert remote.pick(BATCH).split == 1 and remote.conditions.node_shared_ms == 0.0
     # The same reads done by a store on the node's cores (the node says others took 4 ms a
     # sample of them): its cores do them and the prefix one after the other, so the node is
     # 4 ms a sample slower at every split, and split 0, the least prefix, is best.
     beside = planner()
     beside.pick(BATCH)
-    beside.arrived(reply(3, BATCH, 0.0, 0.0005, **timings, others_cpu_ms=4.0 * BATCH))
+    warm(beside, reply(3, BATCH, 0.0, 0.0005, **timings, others_cpu_ms=4.0 * BATCH))
     assert beside.conditions.node_shared_ms == pytest.approx(4.0)
     assert beside.conditions.node_fixed_ms == pytest.approx(6.0)
     assert beside.pick(BATCH).split == 0
     # Serving the raw objects costs the node the store's part of the reads too.
     aic = price(PROFILE, FREEZE, beside.conditions, ALL_IN_COMPUTE, "float32", BATCH)
     assert aic.storage_ms == pytest.approx(4.0)
+
+
+def test_a_store_s_work_during_the_prefix_is_counted_once_not_in_the_prefix_s_speed_too() -> None:
+    # The store's 4 ms a sample ran on the node's one core while the prefix did (1 ms a
+    # stage), so the passes' wall time holds them: they are the store's, not the prefix's.
+    timings = {**node_timings(3, BATCH, 1.0), "others_cpu_ms": 4.0 * BATCH}
+    timings["forward_ms"] += 4.0 * BATCH
+    p = planner()
+    p.pick(BATCH)
+    warm(p, reply(3, BATCH, 0.0, 0.0005, **timings, others_in_forward_ms=4.0 * BATCH))
+    assert p.conditions.node_scale == pytest.approx(1.0)
+    assert p.conditions.node_fixed_ms == pytest.approx(6.0)  # decode and the store's part, as above
 
 
 def test_this_tier_is_priced_at_the_speed_its_own_steps_measure_not_the_profile_s_host() -> None:
@@ -484,12 +523,12 @@ def test_with_another_host_s_profile_the_first_move_waits_for_this_host_s_step()
     ratio = Future()
     p = OnlinePlanner(PROFILE, FREEZE, BATCH, 10_000, RAW, batches_in_flight=2, step_ratio=ratio)
     p.pick(BATCH)
-    p.arrived(reply(3, BATCH, 0.0, 0.0005, **node_timings(3, BATCH, 3.0)))
+    warm(p, reply(3, BATCH, 0.0, 0.0005, **node_timings(3, BATCH, 3.0)))
     ratio.set_result(0.25)  # timed while the first batch was in flight
     assert p.pick(BATCH).split == ALL_IN_COMPUTE and p.conditions.compute_scale == 0.25
     same = OnlinePlanner(PROFILE, FREEZE, BATCH, 10_000, RAW, batches_in_flight=2)
     same.pick(BATCH)
-    same.arrived(reply(3, BATCH, 0.0, 0.0005, **node_timings(3, BATCH, 3.0)))
+    warm(same, reply(3, BATCH, 0.0, 0.0005, **node_timings(3, BATCH, 3.0)))
     assert same.pick(BATCH).split == 0
 
 

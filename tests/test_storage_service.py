@@ -8,6 +8,9 @@ daemon here), so the capacity left for models and requests is known.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -145,6 +148,37 @@ def test_prefixes_take_turns_and_waits_behind_other_jobs_are_told_apart(data) ->
     assert max(t["turn_wait_ms"] for t in alone) > 0  # they queued for the one slot...
     assert all(t["shared_wait_ms"] == 0 for t in alone)  # ...behind their own job only
     assert max(t["shared_wait_ms"] for t in mixed) > 0
+
+
+def test_what_others_run_on_the_cores_during_the_prefix_is_told_apart_from_its_time(data) -> None:
+    """A process burning the daemon's one core while the prefix runs takes part of the
+    passes' wall time: the reply says how much, so that it is not read as a slower prefix."""
+    core, allowed, threads = min(os.sched_getaffinity(0)), os.sched_getaffinity(0), torch.get_num_threads()
+    spec = TransformSpec(crop_size=160, resize_size=182)
+    os.sched_setaffinity(0, {core})  # the daemon's cores are those it starts with
+    try:
+        client = _app(data, torch_threads=1).test_client()
+
+        def timings() -> dict:
+            response = _extract(client, data.keys[:16], spec=spec)
+            assert response.status_code == 200, response.get_json()
+            return decode_features(response.data)[2]["timings"]
+
+        timings()  # the prefix loaded and warm
+        alone = timings()
+        hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # on the same core: its affinity is ours
+        try:
+            time.sleep(0.3)  # past its start-up
+            shared = timings()
+        finally:
+            hog.kill()
+            hog.wait()
+    finally:
+        os.sched_setaffinity(0, allowed)
+        torch.set_num_threads(threads)
+    # The kernel shares the core about evenly between the two: some half of the passes' time.
+    assert shared["others_in_forward_ms"] > 0.25 * shared["forward_ms"], shared
+    assert alone["others_in_forward_ms"] / alone["forward_ms"] < shared["others_in_forward_ms"] / shared["forward_ms"]
 
 
 def test_compute_slots_count_the_cores_this_process_may_use() -> None:
