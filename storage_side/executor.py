@@ -370,23 +370,26 @@ class Extractor:
                     inputs = pending.result()
                     decode_wait += time.perf_counter() - waited
                     pending = submit(start + sub_batch) if start + sub_batch < n else None
-                    ran, others_before = time.perf_counter(), self.core_share.others_s()
+                    # Others' work on the cores displaces a pass only where it runs on them.
+                    others_before = None if cost.on_device else self.core_share.others_s()
+                    ran = time.perf_counter()
                     stats.threads = self.compute_turns.take_share()
                     with device_work(self.device if cost.on_device else CPU):
                         features = self._forward(stages, inputs, features, start, n, WIRE_DTYPES[request.dtype],
                                                  cost.on_device)
                     del inputs
                     forward_s += time.perf_counter() - ran
-                    if others_before is not None:
-                        others_s += self.core_share.others_s() - others_before
+                    others_after = None if others_before is None else self.core_share.others_s()
+                    if others_after is not None:
+                        others_s += others_after - others_before
         finally:
             if pending is not None:  # the request failed: what is not decoded yet never will be
                 pending.cancel()
         timings["decode_wait_ms"] = round(decode_wait * 1e3, 3)
         timings["forward_ms"] = round(forward_s * 1e3, 3)
-        # The passes take every core not given to another pass, so what others ran on the
-        # cores meanwhile (a store beside the node) came out of the passes' wall time: spread
-        # over the cores, it is the part of ``forward_ms`` that was not the prefix's work.
+        # A pass on the CPU takes every core not given to another pass, so what others ran on
+        # the cores meanwhile (a store beside the node) came out of the passes' wall time:
+        # spread over the cores, it is the part of ``forward_ms`` that was not the prefix's work.
         cores = max(len(self.core_share.cores), 1)
         timings["others_in_forward_ms"] = round(min(max(others_s, 0.0) / cores, forward_s) * 1e3, 3)
         return features
