@@ -8,7 +8,9 @@ starts at once: a few of the first batch's samples go ahead alone as a scout, at
 (images: many bytes for little of the node's work), and their reply measures the link;
 the rest of the batch, and every batch after it, go where the calibrated model (or,
 later, a measurement) says is fastest, and the run goes on learning the link, the node
-and this tier from each reply and training step. Where no scout can go (a job of many
+and this tier from each reply and training step. (Until the node is read, its price is a
+floor: where it paces the fastest, the run starts at the plan within the model's error
+that leaves the node least work.) Where no scout can go (a job of many
 ranks), the first batch goes alone to the candidate safest while the link is unknown.
 It moves only when the time saved over the rest of the run exceeds what the move costs.
 
@@ -71,6 +73,11 @@ RECENT = 8  # observations a measurement is the median of: recent enough to foll
 # was then (shaped and shared links read within about 10% from one window to the next);
 # beyond it the link has changed, and the model prices the candidate again.
 LINK_DRIFT = 0.25
+# The kinds of reply the link is read from: a node's, and the store's own (all-in-compute).
+# A read from the store waits on the store as well (its time to first byte, its service on
+# a node's cores), so the two read the same link at different rates, and a change of link
+# is a change in the readings of one kind.
+READERS = ("node", "store")
 
 
 @dataclass(frozen=True)
@@ -259,10 +266,11 @@ def mix(a: Candidate, b: Candidate) -> Plan:
 
 @dataclass
 class _Measured:
-    """A plan's wall pace from the run, per sample, with the bandwidth it was read at."""
+    """A plan's wall pace from the run, per sample, with the link as each kind of reply
+    read it then."""
 
     paces: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
-    bandwidth: float | None = None
+    links: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def pace_ms(self) -> float:
@@ -331,6 +339,8 @@ class OnlinePlanner:
         self._measured: dict[tuple, _Measured] = {}
         self._training_picks: deque[tuple] = deque()  # the plan of each training batch sent, in order
         self._links: deque[tuple[float, float, int, float | None]] = deque(maxlen=RECENT)
+        self._links_by_reader: dict[str, deque[tuple[float, float, int, float | None]]] = {
+            reader: deque(maxlen=RECENT) for reader in READERS}
         self._node_scales: deque[float] = deque(maxlen=RECENT)
         self._node_fixed: deque[float] = deque(maxlen=RECENT)
         self._node_shared: deque[float] = deque(maxlen=RECENT)
@@ -369,7 +379,9 @@ class OnlinePlanner:
     def arrived(self, reply: Reply) -> None:
         """Learn the link and the node from one reply."""
         self._arrived += reply.samples
-        self._links.append((*reply.link_interval, reply.wire_bytes, reply.tail_started))
+        transfer = (*reply.link_interval, reply.wire_bytes, reply.tail_started)
+        self._links.append(transfer)
+        self._links_by_reader[_reader(reply.split)].append(transfer)
         bandwidth = _link_rate(self._links)
         # The node's pace is read from batches after its first at a split, which pays its
         # cold start (the prefix's load and first passes, the store's first reads), and
@@ -427,7 +439,7 @@ class OnlinePlanner:
         if samples == self.batch_size and plan is not None:
             measured = self._measured.setdefault(plan, _Measured())
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
-            measured.bandwidth = self.conditions.bandwidth
+            measured.links = self._link_readings()
             if plan == self.plan.key:
                 self._charge_unseen(measured.pace_ms)
 
@@ -485,11 +497,18 @@ class OnlinePlanner:
 
     def expected_ms(self, plan: Plan) -> float:
         """Per sample: the pace the run measured for ``plan`` while the link was as it is
-        now, else the model's."""
+        now, else the model's. The link is as it was while each kind of reply read then
+        reads it within ``LINK_DRIFT`` now: a move between the node's replies and the
+        store's own changes which kind reads it, not the link."""
         measured = self._measured.get(plan.key)
-        if measured and measured.paces and _close(measured.bandwidth, self.conditions.bandwidth):
-            return measured.pace_ms
+        if measured and measured.paces:
+            now = self._link_readings()
+            if all(_close(then, now[reader]) for reader, then in measured.links.items() if then is not None):
+                return measured.pace_ms
         return plan.pace_ms
+
+    def _link_readings(self) -> dict[str, float | None]:
+        return {reader: _link_rate(links) for reader, links in self._links_by_reader.items()}
 
     def run_ms(self, plan: Plan) -> float:
         """What the rest of the run costs on ``plan``: the samples still to send at its pace,
@@ -565,6 +584,14 @@ class OnlinePlanner:
             # first window), so the first plan ships no more bytes a sample than the scout did.
             plans = [p for p in plans if p.bytes_per_sample <= self._scout_bytes] or plans
         best = min(plans, key=self.run_ms)
+        if not started and best.loads[0] >= max(best.loads):
+            # The node is not read yet (the scout's reply reads the link only), and its price
+            # is a floor: this host's speed, with nothing for the store beside it, other jobs
+            # or HTTP, all of which only add. Where it paces the best, the first plan is the
+            # one of those the model cannot separate from the best that leaves the node least
+            # work; where the node proves faster, its readings move the run deeper.
+            near = [p for p in plans if self.run_ms(p) <= self.run_ms(best) * (1 + MODEL_ERROR)]
+            best = min(near, key=lambda p: p.loads[0])
         if best.key != self.plan.key:
             measured = best.key in self._measured and self._measured[best.key].paces
             # A plan nothing was sent to yet (only a scout went ahead) is a prediction too,
@@ -572,9 +599,9 @@ class OnlinePlanner:
             # rest of the run on the new plan, with its pipeline's fill, must beat the
             # incumbent's by more than the error of the prices compared: a measured pace's,
             # the scatter of the incumbent's own readings; a predicted one's, the model's.
-            margin = (self._scatter() if measured else MODEL_ERROR) if started else 0.0
-            fill_ms = best.fill_ms * self.batch_size if started else 0.0
-            if self.run_ms(best) + fill_ms < self.run_ms(incumbent) * (1 - margin):
+            margin = self._scatter() if measured else MODEL_ERROR
+            fill_ms = best.fill_ms * self.batch_size
+            if not started or self.run_ms(best) + fill_ms < self.run_ms(incumbent) * (1 - margin):
                 self._switch(best, f"{'measured' if measured else 'predicted'} {self.expected_ms(best):.1f} "
                                    f"ms/sample against {incumbent_ms:.1f}")
                 return
@@ -659,12 +686,15 @@ def _link_rate(transfers: Iterable[tuple[float, float, int, float | None]]) -> f
     return total / busy if busy > 0 and total > 0 else None
 
 
+def _reader(split: int) -> str:
+    """The kind of reply a candidate's requests read the link with."""
+    return "store" if split == ALL_IN_COMPUTE else "node"
+
+
 def _median(values: deque[float], default: float | None) -> float | None:
     return statistics.median(values) if values else default
 
 
-def _close(a: float | None, b: float | None) -> bool:
+def _close(a: float, b: float | None) -> bool:
     """Two link readings that differ by no more than the noise of one window on a shared link."""
-    if a is None or b is None:
-        return a is b
-    return abs(a - b) <= LINK_DRIFT * max(a, b)
+    return b is not None and abs(a - b) <= LINK_DRIFT * max(a, b)

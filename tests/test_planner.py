@@ -232,6 +232,19 @@ def test_after_a_scout_the_run_starts_at_the_best_however_close_the_safe_start()
     assert p.pick(BATCH - count).key == (0, "float32")
 
 
+def test_before_the_node_is_read_the_run_starts_where_the_model_s_near_best_leave_it_least_work() -> None:
+    p = planner(run_samples=300)  # too short to explore
+    _, count = p.scout(BATCH)
+    # 9.27 MB/s: split 3 is predicted at 5 ms a sample, paced by the node (its decode and
+    # three stages), split 0 at 5.3 (its images' transfer), within the model's error. The
+    # node's price is a floor until it is read, so the run starts at split 0, which leaves
+    # the node its decode only.
+    p.arrived(reply(0, count, 0.0, count * 49_152 / 9.27e6, **node_timings(0, count, 1.0)))
+    alone = [plan for plan in p.plans() if len(plan.parts) == 1]
+    assert min(alone, key=p.run_ms).parts[0].split == 3
+    assert p.pick(BATCH - count).key == (0, "float32")
+
+
 def test_the_link_is_read_over_the_time_it_was_busy_not_per_reply() -> None:
     p = planner()
     p.pick(BATCH)
@@ -361,6 +374,31 @@ def test_a_plan_measured_slower_than_predicted_is_left_though_the_model_preferre
     assert p.expected_ms(single(aic)) == pytest.approx(200.0)
     p.pick(BATCH)
     assert p.plan.key != single(aic).key
+
+
+def test_a_measured_pace_stands_while_the_kind_of_reply_that_read_its_link_reads_it_alike() -> None:
+    p = planner()
+    p.pick(BATCH)
+    node_reply_s = BATCH * OUTPUTS[2] * 4 / 10e6
+    warm(p, reply(3, BATCH, 0.0, node_reply_s, **SLOW_NODE))  # the node's replies read 10 MB/s
+    assert p.pick(BATCH).split == ALL_IN_COMPUTE
+    # The store's own reads wait on the store as well, and read the link at 2.5 MB/s; the run
+    # trains at 5 ms a sample, faster than the model's 40 ms a sample of transfer at that rate.
+    steps(p, 4, 5.0, RAW * BATCH / 2.5e6)
+
+    def aic() -> Plan:
+        return single(next(c for c in p.options() if c.split == ALL_IN_COMPUTE))
+
+    assert p.expected_ms(aic()) == pytest.approx(5.0) and aic().pace_ms == pytest.approx(40.0, rel=0.05)
+    # The node's replies read the link as they did before: it is unchanged, and so is
+    # all-in-compute's measured pace ...
+    for t in range(8):
+        p.arrived(reply(3, BATCH, 100.0 + t, node_reply_s, **SLOW_NODE))
+    assert p.expected_ms(aic()) == pytest.approx(5.0)
+    # ... but the node's replies at a quarter of their rate are a changed link: the model prices it again.
+    for t in range(8):
+        p.arrived(reply(3, BATCH, 200.0 + t, 4 * node_reply_s, **SLOW_NODE))
+    assert p.expected_ms(aic()) == aic().pace_ms == pytest.approx(40.0)
 
 
 def test_exploration_stays_within_its_share_of_the_run_and_a_short_run_never_explores() -> None:
