@@ -153,8 +153,9 @@ class PushdownSource:
 
 
 # The node's timings of a request that follow one another in its wall time (the others
-# are CPU readings and shares of these).
-NODE_PHASES = ("load_ms", "queue_ms", "fetch_ms", "turn_wait_ms", "decode_wait_ms", "forward_ms", "encode_ms")
+# are CPU readings and shares of these). The reply's encoding is timed after its header
+# is written, so it reaches the daemon's metrics only, and counts here as the link's.
+NODE_PHASES = ("load_ms", "queue_ms", "fetch_ms", "turn_wait_ms", "decode_wait_ms", "forward_ms")
 
 # A request to a node with no measured pace at its split is hedged after this long: its
 # first request may load the model; a hung node at the very start costs this once.

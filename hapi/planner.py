@@ -30,9 +30,10 @@ the node's speed (``node_scale``, ``node_fixed``: from the node's own timings) a
 bandwidth are learned from the replies, and this tier's speed (``compute_scale``) from its
 training steps against the profile's price of their stages. The node's replies also say
 what other processes took of its cores per sample (``node_shared``: a store beside it,
-doing its part of every read there): that work and the prefix share the cores one after
-the other, where a remote store's reads overlap the prefix; it is also what serving the
-raw objects costs the node. In steady state the pace is the real cost of the slowest
+doing its part of every read there; the node's figure over its recent requests, so the
+scout's reply carries it): that work and the prefix share the cores one after the other,
+where a remote store's reads overlap the prefix; it is also what serving the raw objects
+costs the node. In steady state the pace is the real cost of the slowest
 stage, so what a run measures beyond the model's bottleneck is charged to a tier it can
 calibrate (see ``_charge_unseen``): to the node as a cost per sample its timings leave out
 (``node_unseen``: HTTP, the link's interrupts), to this tier as a further factor on its
@@ -320,6 +321,7 @@ class OnlinePlanner:
         self.conditions = Conditions(raw_bytes, node_passes=node_passes) if node_profile is None else Conditions(
             raw_bytes, node_forward_ms=node_profile.forward_ms, node_fixed_ms=node_profile.decode_ms,
             node_passes=node_passes)
+        self._profile_fixed_ms = (node_profile or profile).decode_ms  # the node's work beside its prefix, unread
         self.run_samples = run_samples  # validation included
         self.remaining = run_samples  # samples the run has yet to send
         self.cached_samples = cached_samples
@@ -390,6 +392,14 @@ class OnlinePlanner:
         first = reply.split not in self._node_served
         if not scout:
             self._node_served.add(reply.split)
+        elif "others_cpu_ms" in reply.timings:
+            # What others take of the node's cores per sample is the node's figure over its
+            # recent requests, any job's, not the scout's own few reads: it prices the node
+            # from the start, beside the decode (they take the cores in turn), until the
+            # node's own batches read both.
+            shared = reply.timings["others_cpu_ms"] / reply.samples
+            self.conditions = replace(self.conditions, node_shared_ms=shared,
+                                      node_fixed_ms=self._profile_fixed_ms + shared)
         if reply.split != ALL_IN_COMPUTE and not scout and not first:
             t = reply.timings
             # The prefix's own time: what others ran on its cores meanwhile is counted once, below.
@@ -401,8 +411,7 @@ class OnlinePlanner:
             # A wait behind other jobs makes it a slower node.
             shared = t.get("others_cpu_ms", 0.0)
             turn = t.get("decode_wait_ms", 0.0) + forward_ms
-            busy = (max(t.get("fetch_ms", 0.0) - shared, turn + shared) + t.get("encode_ms", 0.0)
-                    + t.get("shared_wait_ms", 0.0)) / reply.samples
+            busy = (max(t.get("fetch_ms", 0.0) - shared, turn + shared) + t.get("shared_wait_ms", 0.0)) / reply.samples
             self._node_shared.append(shared / reply.samples)
             prefix_ms = sum((self.conditions.node_forward_ms or self.profile.forward_ms)[:reply.split])
             if prefix_ms > 0 and forward > 0:

@@ -207,6 +207,24 @@ def test_the_node_s_pace_is_read_after_its_first_batch_at_a_split_and_never_from
     assert p.conditions.node_scale == pytest.approx(2.0)
 
 
+def test_what_others_take_of_the_node_s_cores_prices_it_from_the_scout_s_reply_on() -> None:
+    def start(shared_ms: float | None) -> tuple[tuple[int, str], Conditions]:
+        p = planner(run_samples=300)  # too short to explore
+        _, count = p.scout(BATCH)
+        timings = {} if shared_ms is None else {"others_cpu_ms": shared_ms * count, "decode_wait_ms": 60.0 * count}
+        p.arrived(reply(0, count, 0.0, count * 49_152 / 8e6, **timings))  # 8 MB/s
+        return p.pick(BATCH - count).key, p.conditions
+
+    # With the node priced as this host, split 3 (5 ms a sample on the node) beats split 0's
+    # transfer (6.1) by more than the model's error ...
+    assert start(None)[0] == (3, "float32")
+    # ... but the node says a store beside it takes 5 ms a sample of its cores (its figure
+    # over its recent requests): the node's 10 ms a sample at split 3 lose to split 0's 7.
+    key, conditions = start(5.0)
+    assert key == (0, "float32")
+    assert (conditions.node_shared_ms, conditions.node_fixed_ms) == (5.0, 7.0)  # not the scout's cold decode
+
+
 def test_a_gain_that_cannot_pay_for_the_switch_before_the_run_ends_is_not_taken() -> None:
     def second_pick(run_samples: int) -> tuple[int, str]:
         p = planner(run_samples)
