@@ -343,6 +343,7 @@ class OnlinePlanner:
         self._links: deque[tuple[float, float, int, float | None]] = deque(maxlen=RECENT)
         self._links_by_reader: dict[str, deque[tuple[float, float, int, float | None]]] = {
             reader: deque(maxlen=RECENT) for reader in READERS}
+        self._readings: dict[str, float | None] = dict.fromkeys(READERS)  # the link as each kind reads it now
         self._node_scales: deque[float] = deque(maxlen=RECENT)
         self._node_fixed: deque[float] = deque(maxlen=RECENT)
         self._node_shared: deque[float] = deque(maxlen=RECENT)
@@ -383,7 +384,9 @@ class OnlinePlanner:
         self._arrived += reply.samples
         transfer = (*reply.link_interval, reply.wire_bytes, reply.tail_started)
         self._links.append(transfer)
-        self._links_by_reader[_reader(reply.split)].append(transfer)
+        reader = _reader(reply.split)
+        self._links_by_reader[reader].append(transfer)
+        self._readings = {**self._readings, reader: _link_rate(self._links_by_reader[reader])}
         bandwidth = _link_rate(self._links)
         # The node's pace is read from batches after its first at a split, which pays its
         # cold start (the prefix's load and first passes, the store's first reads), and
@@ -448,7 +451,7 @@ class OnlinePlanner:
         if samples == self.batch_size and plan is not None:
             measured = self._measured.setdefault(plan, _Measured())
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
-            measured.links = self._link_readings()
+            measured.links = self._readings
             if plan == self.plan.key:
                 self._charge_unseen(measured.pace_ms)
 
@@ -510,14 +513,10 @@ class OnlinePlanner:
         reads it within ``LINK_DRIFT`` now: a move between the node's replies and the
         store's own changes which kind reads it, not the link."""
         measured = self._measured.get(plan.key)
-        if measured and measured.paces:
-            now = self._link_readings()
-            if all(_close(then, now[reader]) for reader, then in measured.links.items() if then is not None):
-                return measured.pace_ms
+        if measured and measured.paces and all(_close(then, self._readings[reader])
+                                               for reader, then in measured.links.items() if then is not None):
+            return measured.pace_ms
         return plan.pace_ms
-
-    def _link_readings(self) -> dict[str, float | None]:
-        return {reader: _link_rate(links) for reader, links in self._links_by_reader.items()}
 
     def run_ms(self, plan: Plan) -> float:
         """What the rest of the run costs on ``plan``: the samples still to send at its pace,
