@@ -162,7 +162,10 @@ def run_auto(storage: StorageHost, name: str, image_size: int, batch_size: int, 
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
     logging.info("%s b%d: hapi.train --split auto, %.1f s:\n%s", name, batch_size, seconds, done.stdout)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    moves = [r["switch"] for r in records if "switch" in r and not r["switch"]["why"].startswith("exploring")]
+    trained = next(r["train"]["samples"] for r in records if "train" in r)
+    # The choice is what the run trained on: a move made while validation was read is not one.
+    moves = [r["switch"] for r in records if "switch" in r and not r["switch"]["why"].startswith("exploring")
+             and r["switch"]["at_sample"] < trained]
     if moves:
         settled = tuple(((c["split"], c["dtype"]), round(share, 2))
                         for c, share in zip(moves[-1]["parts"], moves[-1]["shares"]))
@@ -180,7 +183,8 @@ def parse_explain(text: str) -> dict[str, dict]:
     for line in text.splitlines():
         if line.startswith("plan: "):  # the plan the run ended with, which may share batches
             label, _, rest = line[len("plan: "):].partition(", model ")
-            table[label] = {"pace_ms": float(rest.split()[0]), "measured_ms": None, "bottleneck": ""}
+            # A plan of one candidate keeps that candidate's line, which says more.
+            table.setdefault(label, {"pace_ms": float(rest.split()[0]), "measured_ms": None, "bottleneck": ""})
             continue
         tokens = line.split()
         if tokens[:1] == ["all-in-compute"]:
