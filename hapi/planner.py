@@ -268,10 +268,11 @@ def mix(a: Candidate, b: Candidate) -> Plan:
 @dataclass
 class _Measured:
     """A plan's wall pace from the run, per sample, with the link as each kind of reply
-    read it then."""
+    read it then, and the run's moves made before its latest reading."""
 
     paces: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     links: dict[str, float | None] = field(default_factory=dict)
+    moves: int = 0
 
     @property
     def pace_ms(self) -> float:
@@ -354,6 +355,7 @@ class OnlinePlanner:
         self._filling = 0  # steps still to come before the pipeline runs in steady state
         self._arrived = 0  # samples whose replies arrived
         self._sent_at_switch = 0  # samples sent before the last move
+        self._moves = 0  # moves made (explorations are not)
         self._calibrated = False  # a steady-state pace has been charged to the model
         self._scouted = False  # the first batch's scout has gone
         self._scout_bytes = math.inf  # per sample, what the scout shipped
@@ -451,7 +453,7 @@ class OnlinePlanner:
         if samples == self.batch_size and plan is not None:
             measured = self._measured.setdefault(plan, _Measured())
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
-            measured.links = self._readings
+            measured.links, measured.moves = self._readings, self._moves
             if plan == self.plan.key:
                 self._charge_unseen(measured.pace_ms)
 
@@ -508,13 +510,22 @@ class OnlinePlanner:
     # -- the choice ------------------------------------------------------------------
 
     def expected_ms(self, plan: Plan) -> float:
-        """Per sample: the pace the run measured for ``plan`` while the link was as it is
-        now, else the model's. The link is as it was while each kind of reply read then
-        reads it within ``LINK_DRIFT`` now: a move between the node's replies and the
-        store's own changes which kind reads it, not the link."""
+        """Per sample: the pace the run measured for ``plan`` while the world was as it is
+        now, else the model's. The plan running, read since the run last moved to it, is
+        measured in the world as it is. Another measured plan is, while the link as each
+        kind of reply read it then reads within ``LINK_DRIFT`` now: a move between the
+        node's replies and the store's own changes which kind reads it, not the link.
+
+        The running plan's pace stands whatever the link reads meanwhile: a plan changes
+        how its own replies read the link (their size, what they share the link and this
+        tier's cores with), so its readings may drift from those taken while another plan
+        ran, with no change in the link; and its pace is read as it runs."""
         measured = self._measured.get(plan.key)
-        if measured and measured.paces and all(_close(then, self._readings[reader])
-                                               for reader, then in measured.links.items() if then is not None):
+        if not measured or not measured.paces:
+            return plan.pace_ms
+        running = plan.key == self.plan.key and measured.moves == self._moves
+        if running or all(_close(then, self._readings[reader])
+                          for reader, then in measured.links.items() if then is not None):
             return measured.pace_ms
         return plan.pace_ms
 
@@ -650,6 +661,7 @@ class OnlinePlanner:
         sent = self.run_samples - self.remaining
         self.switches.append((sent, plan, why))
         self.plan, self._dealt = plan, [0.0] * len(plan.parts)
+        self._moves += 1
         self._sent_at_switch = sent  # replies arrive in the order their batches were sent
 
     def explain(self, stage_names: tuple[str, ...]) -> str:

@@ -413,10 +413,30 @@ def test_a_measured_pace_stands_while_the_kind_of_reply_that_read_its_link_reads
     for t in range(8):
         p.arrived(reply(3, BATCH, 100.0 + t, node_reply_s, **SLOW_NODE))
     assert p.expected_ms(aic()) == pytest.approx(5.0)
-    # ... but the node's replies at a quarter of their rate are a changed link: the model prices it again.
+    # ... but the node's replies at a quarter of their rate are a changed link: once the run
+    # is on another plan, the model prices all-in-compute again.
     for t in range(8):
         p.arrived(reply(3, BATCH, 200.0 + t, 4 * node_reply_s, **SLOW_NODE))
+    p.plan = single(next(c for c in p.options() if c.key == (3, "float32")))
     assert p.expected_ms(aic()) == aic().pace_ms == pytest.approx(40.0)
+
+
+def test_the_running_plan_s_pace_stands_while_its_own_replies_read_the_link_otherwise() -> None:
+    p = planner()
+    p.pick(BATCH)
+    warm(p, reply(3, BATCH, 0.0, BATCH * OUTPUTS[2] * 4 / 10e6, **SLOW_NODE))
+    assert p.pick(BATCH).split == ALL_IN_COMPUTE
+    steps(p, 4, 5.0, RAW * BATCH / 2.5e6)  # 5 ms a sample, the store's reads at 2.5 MB/s
+    # The next replies in flight read the link at a quarter of that rate (a heavier step
+    # beside them, other traffic) before the next step is read: the model's price of the
+    # plan running, many times its pace, moves nothing while the run trains it at 5 ms a sample.
+    for _ in range(4):
+        c = p.pick(BATCH)
+        p.arrived(reply(c.split, BATCH, float(next(CLOCK)), 4 * RAW * BATCH / 2.5e6))
+    running = single(p.priced(p.plan.parts[0]))
+    assert running.parts[0].split == ALL_IN_COMPUTE and running.pace_ms > 60.0
+    assert p.expected_ms(running) == pytest.approx(5.0)
+    assert [why for _, _, why in p.switches][1:] == []
 
 
 def test_exploration_stays_within_its_share_of_the_run_and_a_short_run_never_explores() -> None:
