@@ -354,7 +354,6 @@ class OnlinePlanner:
         self._previous_plan: tuple | None = None
         self._filling = 0  # steps still to come before the pipeline runs in steady state
         self._arrived = 0  # samples whose replies arrived
-        self._sent_at_switch = 0  # samples sent before the last move
         self._moves = 0  # moves made (explorations are not)
         self._calibrated = False  # a steady-state pace has been charged to the model
         self._scouted = False  # the first batch's scout has gone
@@ -511,20 +510,19 @@ class OnlinePlanner:
 
     def expected_ms(self, plan: Plan) -> float:
         """Per sample: the pace the run measured for ``plan`` while the world was as it is
-        now, else the model's. The plan running, read since the run last moved to it, is
-        measured in the world as it is. Another measured plan is, while the link as each
-        kind of reply read it then reads within ``LINK_DRIFT`` now: a move between the
-        node's replies and the store's own changes which kind reads it, not the link.
+        now, else the model's.
 
-        The running plan's pace stands whatever the link reads meanwhile: a plan changes
-        how its own replies read the link (their size, what they share the link and this
-        tier's cores with), so its readings may drift from those taken while another plan
-        ran, with no change in the link; and its pace is read as it runs."""
+        The plan running is read as it runs (a decision after a move waits for its first
+        reading), so its pace stands whatever the link reads meanwhile: a plan changes how
+        its own replies read the link (their size, what they share the link and this
+        tier's cores with), with no change in the link. Another plan's pace stands while
+        the link as each kind of reply read it then reads within ``LINK_DRIFT`` now: a move
+        between the node's replies and the store's own changes which kind reads it, not
+        the link."""
         measured = self._measured.get(plan.key)
         if not measured or not measured.paces:
             return plan.pace_ms
-        running = plan.key == self.plan.key and measured.moves == self._moves
-        if running or all(_close(then, self._readings[reader])
+        if plan.key == self.plan.key or all(_close(then, self._readings[reader])
                           for reader, then in measured.links.items() if then is not None):
             return measured.pace_ms
         return plan.pace_ms
@@ -583,10 +581,12 @@ class OnlinePlanner:
         if self._step_ratio is not None:
             self._host_scale, self._step_ratio = self._step_ratio.result(), None
             self._rescale_compute()
-        # After a move, the next waits for evidence from the new plan: a reply of a batch sent
-        # after the move. A decision on the estimates of a pipeline in transition would chase
-        # them. The first move, on the first reply, is the one that cannot wait.
-        waiting = self.switches and self._arrived <= self._sent_at_switch
+        # After a move, the next waits for the new plan's pace, read once its pipeline has
+        # filled: a move on a prediction is a bet that this reading settles, and the replies
+        # of a pipeline changing plans read the link and the node as neither plan does
+        # alone. The first move, on the first reply, is the one that cannot wait.
+        running = self._measured.get(self.plan.key)
+        waiting = self._moves and not (running and running.moves == self._moves)
         if self._exploring is not None or waiting:
             return
         # A pair's gain is a balance of two tiers' loads over many batches: the run moves to
@@ -662,7 +662,6 @@ class OnlinePlanner:
         self.switches.append((sent, plan, why))
         self.plan, self._dealt = plan, [0.0] * len(plan.parts)
         self._moves += 1
-        self._sent_at_switch = sent  # replies arrive in the order their batches were sent
 
     def explain(self, stage_names: tuple[str, ...]) -> str:
         """Every candidate as the planner sees it now, one line each, then the plan."""

@@ -439,6 +439,23 @@ def test_the_running_plan_s_pace_stands_while_its_own_replies_read_the_link_othe
     assert [why for _, _, why in p.switches][1:] == []
 
 
+def test_after_a_move_the_next_waits_for_the_new_plan_s_pace() -> None:
+    p = planner()
+    p.pick(BATCH)
+    warm(p, reply(3, BATCH, 0.0, BATCH * OUTPUTS[2] * 4 / 10e6, **SLOW_NODE))
+    assert p.pick(BATCH).split == ALL_IN_COMPUTE  # predicted, on the node's link reading
+    # The new plan's replies read the link at 100 KB/s while its pipeline fills: the model
+    # prices it at twice the best of the node's plans now, but the move is a bet its pace
+    # settles, and the run stays until it is read.
+    for _ in range(3):
+        c = p.pick(BATCH)
+        p.arrived(reply(c.split, BATCH, float(next(CLOCK)), RAW * BATCH / 1e5))
+    assert p.priced(p.plan.parts[0]).pace_ms > 2 * min(c.pace_ms for c in p.options() if c.split >= 0)
+    assert len(p.switches) == 1
+    steps(p, 4, 5.0, RAW * BATCH / 1e5)  # two fill its pipeline; two read 5 ms a sample
+    assert p.pick(BATCH).split == ALL_IN_COMPUTE and len(p.switches) == 1
+
+
 def test_exploration_stays_within_its_share_of_the_run_and_a_short_run_never_explores() -> None:
     # Splits 3 and 4 ship 2,000 and 2,100 floats: on a slow link the model cannot separate them.
     twins = replace(PROFILE, output_elements=(40_000, 30_000, 2_000, 2_100, 1_000, 10))
