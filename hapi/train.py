@@ -350,8 +350,9 @@ def run_job(args: argparse.Namespace, world: World | None) -> int:
         stack.enter_context(checkpoints.catching_sigterm())
         stack.enter_context(data.running(epochs=args.epochs - start_epoch))
         if data.planner is not None and world is None and data.planner.scouts:
-            say("planner: a few of the first batch's samples go ahead at split 0 to measure the link; the rest "
-                "go where the model then says is fastest, and the run measures itself and moves when a move pays")
+            say("planner: a few of the first batch's samples (at split 0), or the first batch, go ahead alone to "
+                "measure the link; the rest go where the model then says is fastest, and the run measures itself "
+                "and moves when a move pays")
         elif data.planner is not None:
             say(f"planner: starting at {describe_split(model, data.split)}, the safest while the link is "
                 "unmeasured; the run measures itself from its first batch on and moves when a move pays")
