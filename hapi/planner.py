@@ -69,7 +69,7 @@ EXPLORE_SHARE = 0.05
 # The range of links the first choice must be safe on before any is measured, bytes/s:
 # 1 Mbit/s to 10 Gbit/s.
 LINKS = tuple(125e3 * 10 ** (i / 3) for i in range(13))
-RECENT = 8  # observations a measurement is the median of: recent enough to follow drift
+RECENT = 8  # observations (of a pace: pipelines' worth of steps) a reading is made of: recent enough to follow drift
 # A pace measured at a candidate stands while the link stays within this share of what it
 # was then (shaped and shared links read within about 10% from one window to the next);
 # beyond it the link has changed, and the model prices the candidate again.
@@ -267,16 +267,29 @@ def mix(a: Candidate, b: Candidate) -> Plan:
 
 @dataclass
 class _Measured:
-    """A plan's wall pace from the run, per sample, with the link as each kind of reply
-    read it then, and the run's moves made before its latest reading."""
+    """A plan's wall pace from the run, per sample: the mean of its recent steps' (each
+    step's wait for data and compute, per sample), with the link as each kind of reply
+    read it then, and the run's moves made before its latest reading.
 
-    paces: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    The mean, not a median: a pipeline's replies arrive in bursts (those in flight share
+    the link and finish together), so most steps find their batch waiting and one waits
+    for the burst; the median step reads the compute tier alone. The window holds
+    ``RECENT`` pipelines' worth of steps."""
+
+    paces: deque[float]
     links: dict[str, float | None] = field(default_factory=dict)
     moves: int = 0
 
     @property
     def pace_ms(self) -> float:
-        return statistics.median(self.paces)
+        return statistics.fmean(self.paces)
+
+    @property
+    def error(self) -> float | None:
+        """The relative standard error of ``pace_ms``; None under three steps."""
+        if len(self.paces) < 3:
+            return None
+        return statistics.stdev(self.paces) / math.sqrt(len(self.paces)) / self.pace_ms
 
 
 @dataclass(frozen=True)
@@ -450,7 +463,7 @@ class OnlinePlanner:
             self._filling -= 1
             return
         if samples == self.batch_size and plan is not None:
-            measured = self._measured.setdefault(plan, _Measured())
+            measured = self._measured.setdefault(plan, _Measured(deque(maxlen=RECENT * self.batches_in_flight)))
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
             measured.links, measured.moves = self._readings, self._moves
             if plan == self.plan.key:
@@ -616,9 +629,9 @@ class OnlinePlanner:
             # A plan nothing was sent to yet (only a scout went ahead) is a prediction too,
             # and leaving it refills no pipeline: the run starts at the best. Otherwise the
             # rest of the run on the new plan, with its pipeline's fill, must beat the
-            # incumbent's by more than the error of the prices compared: a measured pace's,
-            # the scatter of the incumbent's own readings; a predicted one's, the model's.
-            margin = self._scatter() if measured else MODEL_ERROR
+            # incumbent's by more than the error of the prices compared: two measured paces',
+            # their standard errors combined; a predicted one's, the model's.
+            margin = math.hypot(self._error(best.key), self._error(self.plan.key)) if measured else MODEL_ERROR
             fill_ms = best.fill_ms * self.batch_size
             if not started or self.run_ms(best) + fill_ms < self.run_ms(incumbent) * (1 - margin):
                 self._switch(best, f"{'measured' if measured else 'predicted'} {self.expected_ms(best):.1f} "
@@ -648,14 +661,12 @@ class OnlinePlanner:
             self._exploring = (candidate, batches)
             self._explored.add(candidate.key)
 
-    def _scatter(self) -> float:
-        """The relative spread of the plan's recent readings (their median absolute
-        deviation over their median); the model's error while it has fewer than three."""
-        measured = self._measured.get(self.plan.key)
-        if measured is None or len(measured.paces) < 3:
-            return MODEL_ERROR
-        median = measured.pace_ms
-        return statistics.median(abs(x - median) for x in measured.paces) / median
+    def _error(self, plan: tuple) -> float:
+        """The relative error of the measured pace of ``plan`` (a plan's key): its standard
+        error; the model's while it has fewer than three steps."""
+        measured = self._measured.get(plan)
+        error = measured.error if measured is not None else None
+        return MODEL_ERROR if error is None else error
 
     def _switch(self, plan: Plan, why: str) -> None:
         sent = self.run_samples - self.remaining

@@ -439,6 +439,22 @@ def test_the_running_plan_s_pace_stands_while_its_own_replies_read_the_link_othe
     assert [why for _, _, why in p.switches][1:] == []
 
 
+def test_a_plan_s_pace_is_its_steps_mean_though_its_replies_arrive_in_bursts() -> None:
+    p = planner()
+    p.pick(BATCH)
+    warm(p, reply(3, BATCH, 0.0, BATCH * OUTPUTS[2] * 4 / 10e6, **SLOW_NODE))
+    p.trained(BATCH, 0.0, BATCH * 2.0 / 1e3)  # the safe start's batch
+    assert p.pick(BATCH).split == ALL_IN_COMPUTE
+    # The replies in flight arrive together: one step in four waits 30 ms a sample for
+    # them, the others find their batch waiting; every step computes for 2 ms a sample.
+    for i in range(12):
+        c = p.pick(BATCH)
+        p.arrived(reply(c.split, BATCH, float(next(CLOCK)), RAW * BATCH / 1e7))
+        p.trained(BATCH, BATCH * (30.0 if i % 4 == 0 else 0.0) / 1e3, BATCH * 2.0 / 1e3)
+    # Two steps fill the new pipeline; of the ten read, two waited: 2 + 30 x 2 / 10.
+    assert p.expected_ms(single(p.priced(p.plan.parts[0]))) == pytest.approx(8.0)
+
+
 def test_after_a_move_the_next_waits_for_the_new_plan_s_pace() -> None:
     p = planner()
     p.pick(BATCH)
