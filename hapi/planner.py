@@ -273,12 +273,14 @@ class _Measured:
 
     The mean, not a median: a pipeline's replies arrive in bursts (those in flight share
     the link and finish together), so most steps find their batch waiting and one waits
-    for the burst; the median step reads the compute tier alone. The window holds
-    ``RECENT`` pipelines' worth of steps."""
+    for the burst; the median step reads the compute tier alone. For the same reason
+    it is a pace only over a pipeline's worth of steps at least (``OnlinePlanner.read``),
+    and the window holds ``RECENT`` pipelines' worth."""
 
     paces: deque[float]
     links: dict[str, float | None] = field(default_factory=dict)
     moves: int = 0
+    fresh: int = 0  # its steps read since those moves
 
     @property
     def pace_ms(self) -> float:
@@ -464,9 +466,12 @@ class OnlinePlanner:
             return
         if samples == self.batch_size and plan is not None:
             measured = self._measured.setdefault(plan, _Measured(deque(maxlen=RECENT * self.batches_in_flight)))
+            if measured.moves != self._moves:
+                measured.moves, measured.fresh = self._moves, 0
             measured.paces.append((wait_s + compute_s) * 1e3 / samples)
-            measured.links, measured.moves = self._readings, self._moves
-            if plan == self.plan.key:
+            measured.fresh += 1
+            measured.links = self._readings
+            if plan == self.plan.key and self.read(plan):
                 self._charge_unseen(measured.pace_ms)
 
     def restarted(self) -> None:
@@ -532,13 +537,19 @@ class OnlinePlanner:
         the link as each kind of reply read it then reads within ``LINK_DRIFT`` now: a move
         between the node's replies and the store's own changes which kind reads it, not
         the link."""
-        measured = self._measured.get(plan.key)
-        if not measured or not measured.paces:
+        measured = self.read(plan.key)
+        if measured is None:
             return plan.pace_ms
         if plan.key == self.plan.key or all(_close(then, self._readings[reader])
                           for reader, then in measured.links.items() if then is not None):
             return measured.pace_ms
         return plan.pace_ms
+
+    def read(self, plan: tuple) -> _Measured | None:
+        """The measurement of ``plan`` (a plan's key), where it holds a pipeline's worth of
+        steps: the replies in flight arrive in bursts, and fewer steps may miss or catch one."""
+        measured = self._measured.get(plan)
+        return measured if measured is not None and len(measured.paces) >= self.batches_in_flight else None
 
     def run_ms(self, plan: Plan) -> float:
         """What the rest of the run costs on ``plan``: the samples still to send at its pace,
@@ -598,8 +609,9 @@ class OnlinePlanner:
         # filled: a move on a prediction is a bet that this reading settles, and the replies
         # of a pipeline changing plans read the link and the node as neither plan does
         # alone. The first move, on the first reply, is the one that cannot wait.
-        running = self._measured.get(self.plan.key)
-        waiting = self._moves and not (running and running.moves == self._moves)
+        running = self.read(self.plan.key)
+        waiting = self._moves and not (running and running.moves == self._moves
+                                       and running.fresh >= self.batches_in_flight)
         if self._exploring is not None or waiting:
             return
         # A pair's gain is a balance of two tiers' loads over many batches: the run moves to
@@ -625,7 +637,7 @@ class OnlinePlanner:
             near = [p for p in plans if self.run_ms(p) <= self.run_ms(best) * (1 + MODEL_ERROR)]
             best = min(near, key=lambda p: p.loads[0])
         if best.key != self.plan.key:
-            measured = best.key in self._measured and self._measured[best.key].paces
+            measured = self.read(best.key) is not None
             # A plan nothing was sent to yet (only a scout went ahead) is a prediction too,
             # and leaving it refills no pipeline: the run starts at the best. Otherwise the
             # rest of the run on the new plan, with its pipeline's fill, must beat the
@@ -646,8 +658,9 @@ class OnlinePlanner:
     def _maybe_explore(self, feasible: list[Candidate], incumbent_ms: float) -> None:
         """Give real batches to a candidate the model cannot separate from the plan and the
         run never measured, when the exploration budget holds enough of them to read it
-        with its pipeline full."""
-        batches = self.batches_in_flight + 2
+        with its pipeline full: a pipeline's worth of batches fills it, and a pipeline's
+        worth and one more are read."""
+        batches = 2 * self.batches_in_flight + 1
         if self.explore_left < batches * self.batch_size or self.remaining < 10 * batches * self.batch_size:
             return
         current = {c.key for c in self.plan.parts}

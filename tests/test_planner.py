@@ -363,10 +363,11 @@ def test_the_node_and_this_tier_share_the_batches_when_both_are_needed() -> None
     # 8 MB/s, a node like this host: split 3 alone is node-bound (5 ms a sample), split 0
     # alone link-bound (6.1 ms); half the batches each keeps both busy at 3.5 ms. A pair
     # balances two tiers, so it waits for a steady-state pace to calibrate them: the first
-    # reply leaves the run alone, and three steps (two fill the pipeline) bring the pair.
+    # reply leaves the run alone, and four steps (two fill the pipeline, two read its pace)
+    # bring the pair.
     p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
     assert p.pick(BATCH).split == 3 and not p.switches
-    steps(p, 3, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
+    steps(p, 4, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
     p.pick(BATCH)
     assert [c.split for c in p.plan.parts] == [0, 3] and p.plan.shares == pytest.approx((0.49, 0.51), abs=0.01)
     assert p.plan.pace_ms == pytest.approx(3.53, abs=0.01)
@@ -401,8 +402,9 @@ def test_a_measured_pace_stands_while_the_kind_of_reply_that_read_its_link_reads
     warm(p, reply(3, BATCH, 0.0, node_reply_s, **SLOW_NODE))  # the node's replies read 10 MB/s
     assert p.pick(BATCH).split == ALL_IN_COMPUTE
     # The store's own reads wait on the store as well, and read the link at 2.5 MB/s; the run
-    # trains at 5 ms a sample, faster than the model's 40 ms a sample of transfer at that rate.
-    steps(p, 4, 5.0, RAW * BATCH / 2.5e6)
+    # trains at 5 ms a sample, faster than the model's 40 ms a sample of transfer at that rate
+    # (the safe start's step, two that fill the new pipeline, and two read).
+    steps(p, 5, 5.0, RAW * BATCH / 2.5e6)
 
     def aic() -> Plan:
         return single(next(c for c in p.options() if c.split == ALL_IN_COMPUTE))
@@ -426,7 +428,7 @@ def test_the_running_plan_s_pace_stands_while_its_own_replies_read_the_link_othe
     p.pick(BATCH)
     warm(p, reply(3, BATCH, 0.0, BATCH * OUTPUTS[2] * 4 / 10e6, **SLOW_NODE))
     assert p.pick(BATCH).split == ALL_IN_COMPUTE
-    steps(p, 4, 5.0, RAW * BATCH / 2.5e6)  # 5 ms a sample, the store's reads at 2.5 MB/s
+    steps(p, 5, 5.0, RAW * BATCH / 2.5e6)  # 5 ms a sample, the store's reads at 2.5 MB/s
     # The next replies in flight read the link at a quarter of that rate (a heavier step
     # beside them, other traffic) before the next step is read: the model's price of the
     # plan running, many times its pace, moves nothing while the run trains it at 5 ms a sample.
@@ -568,7 +570,7 @@ def test_a_shared_plan_measured_slow_never_makes_the_node_look_slower() -> None:
     p.pick(BATCH)
     # As above, half the batches each at split 0 and 3 (3.5 ms a sample predicted) ...
     p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
-    steps(p, 3, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
+    steps(p, 4, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
     p.pick(BATCH)
     assert len(p.plan.parts) == 2
     # ... trains at 20 ms a sample. The node works on half the samples: charged per node
