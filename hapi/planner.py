@@ -641,9 +641,12 @@ class OnlinePlanner:
             # A plan nothing was sent to yet (only a scout went ahead) is a prediction too,
             # and leaving it refills no pipeline: the run starts at the best. Otherwise the
             # rest of the run on the new plan, with its pipeline's fill, must beat the
-            # incumbent's by more than the error of the prices compared: two measured paces',
-            # their standard errors combined; a predicted one's, the model's.
-            margin = math.hypot(self._error(best.key), self._error(self.plan.key)) if measured else MODEL_ERROR
+            # incumbent's by more than the error of the prices compared, combined: the
+            # model's, or a measured pace's standard error (steps read in bursts scatter
+            # widely, and a cold start's slow steps are among them). Two prices of the model
+            # err alike, and are compared at its error alone.
+            incumbent_error = self._error(self.plan.key) if self.read(self.plan.key) else 0.0
+            margin = math.hypot(self._error(best.key), incumbent_error)
             fill_ms = best.fill_ms * self.batch_size
             if not started or self.run_ms(best) + fill_ms < self.run_ms(incumbent) * (1 - margin):
                 self._switch(best, f"{'measured' if measured else 'predicted'} {self.expected_ms(best):.1f} "
@@ -675,9 +678,9 @@ class OnlinePlanner:
             self._explored.add(candidate.key)
 
     def _error(self, plan: tuple) -> float:
-        """The relative error of the measured pace of ``plan`` (a plan's key): its standard
-        error; the model's while it has fewer than three steps."""
-        measured = self._measured.get(plan)
+        """The relative error of the price of ``plan`` (a plan's key): its measured pace's
+        standard error; the model's where it is not read or has fewer than three steps."""
+        measured = self.read(plan)
         error = measured.error if measured is not None else None
         return MODEL_ERROR if error is None else error
 

@@ -340,11 +340,27 @@ def test_what_the_node_s_timings_leave_out_is_charged_to_the_node() -> None:
     assert p.pick(BATCH).key == (3, "float32") and not p.switches
     # ... but it trains at 200 ms a sample: the node costs 50 ms a sample more than it
     # reports (the store beside it, HTTP), and a share of split 0's batches, which leave the
-    # node only its decode, now pays.
-    steps(p, 4, 200.0, 0.64, **SLOW_NODE)
+    # node only its decode, now pays (three steps read, after two that fill the pipeline).
+    steps(p, 5, 200.0, 0.64, **SLOW_NODE)
     assert p.conditions.node_unseen_ms == pytest.approx(50.0)
     p.pick(BATCH)
     assert {c.split for c in p.plan.parts} == {0, 3}
+
+
+def test_a_predicted_gain_within_the_running_plan_s_own_scatter_moves_nothing() -> None:
+    p = planner()
+    p.pick(BATCH)
+    p.arrived(reply(3, BATCH, 0.0, 0.64, **SLOW_NODE))
+    assert p.pick(BATCH).key == (3, "float32")
+    # As above, split 3 trains at 200 ms a sample on the mean, but in bursts: its steps'
+    # standard error (40%) is more than the pair's predicted gain, which does not move it.
+    for ms in (200.0, 200.0, 380.0, 20.0, 380.0, 20.0, 200.0):
+        p.pick(BATCH)
+        p.arrived(reply(3, BATCH, float(next(CLOCK)), 0.64, **SLOW_NODE))
+        p.trained(BATCH, BATCH * (ms - 0.5) / 1e3, BATCH * 0.5 / 1e3)
+    assert p.conditions.node_unseen_ms == pytest.approx(50.0)
+    p.pick(BATCH)
+    assert p.plan.key == single(p.priced(p.plan.parts[0])).key and p.plan.parts[0].split == 3
 
 
 def test_a_mix_must_beat_either_of_its_candidates_alone_by_the_model_s_error() -> None:
