@@ -486,6 +486,9 @@ class OnlinePlanner:
         never the link (its rate is measured directly): the node as a cost per sample it
         works on, this tier as a factor on its profiled work.
 
+        What is charged is the measured pace less the model's (its busiest tier's load),
+        which a pace below the model's takes back, so a tier is never priced at a pace that
+        another tier explains: a run paced by the link says nothing of the node's speed.
         A plan of one candidate charges the busier of the node and this tier. A plan that
         shares the batches charges only this tier, which works on every sample, and only
         where the model says it paces the plan: the node works on a share of the samples,
@@ -503,11 +506,12 @@ class OnlinePlanner:
             tier = 2
         else:
             return
+        excess = wall_ms - max(loads)
         if tier == 0:
-            unseen = self.conditions.node_unseen_ms + wall_ms - loads[0]
+            unseen = self.conditions.node_unseen_ms + excess
             self.conditions = replace(self.conditions, node_unseen_ms=max(unseen, 0.0))
         elif loads[2] > 0:
-            self._loader_factor = max(self._loader_factor * wall_ms / loads[2], 1.0)
+            self._loader_factor = max(self._loader_factor * (loads[2] + excess) / loads[2], 1.0)
             self._rescale_compute()
 
     def _step_work_ms(self, plan: tuple) -> float:

@@ -363,6 +363,23 @@ def test_a_predicted_gain_within_the_running_plan_s_own_scatter_moves_nothing() 
     assert p.plan.key == single(p.priced(p.plan.parts[0])).key and p.plan.parts[0].split == 3
 
 
+def test_a_pace_the_link_explains_charges_nothing_to_the_node() -> None:
+    # A 400 KB/s link paces split 0 at 123 ms a sample; the node (its profile known)
+    # decodes in 60, and its deeper splits cost it 90 and more.
+    node = replace(PROFILE, forward_ms=(30.0,) * FREEZE, decode_ms=60.0)
+    p = OnlinePlanner(PROFILE, FREEZE, BATCH, 10_000, RAW, batches_in_flight=2, node_profile=node)
+    split0 = next(c for c in p.options() if c.split == 0)
+    p.plan = single(split0)
+    link_s = BATCH * split0.bytes_per_sample / 400e3
+    timings = node_timings(0, BATCH, 1.0, fixed_ms=60.0)
+    warm(p, reply(0, BATCH, 0.0, link_s, **timings))
+    steps(p, 6, 1e3 * link_s / BATCH, link_s, step_ms=4.5, **timings)
+    # The node stays priced at its own 60 ms, not at the link's pace, so the run gives its
+    # idle time a share of the batches at split 3, which ships a sixth of the bytes.
+    assert p.conditions.node_unseen_ms == 0.0 and p.priced(split0).storage_ms == pytest.approx(60.0)
+    assert {c.split for c in p.plan.parts} == {0, 3}
+
+
 def test_a_mix_must_beat_either_of_its_candidates_alone_by_the_model_s_error() -> None:
     p = planner()
     p.pick(BATCH)
