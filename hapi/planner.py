@@ -69,7 +69,7 @@ EXPLORE_SHARE = 0.05
 # The range of links the first choice must be safe on before any is measured, bytes/s:
 # 1 Mbit/s to 10 Gbit/s.
 LINKS = tuple(125e3 * 10 ** (i / 3) for i in range(13))
-RECENT = 8  # observations (of a pace: pipelines' worth of steps) a reading is made of: recent enough to follow drift
+RECENT = 8  # readings a measurement is made of (a pace's: pipelines' worth of steps): recent enough to follow drift
 # A pace measured at a candidate stands while the link stays within this share of what it
 # was then (shaped and shared links read within about 10% from one window to the next);
 # beyond it the link has changed, and the model prices the candidate again.
@@ -534,20 +534,19 @@ class OnlinePlanner:
         """Per sample: the pace the run measured for ``plan`` while the world was as it is
         now, else the model's.
 
-        The plan running is read as it runs (a decision after a move waits for its first
-        reading), so its pace stands whatever the link reads meanwhile: a plan changes how
-        its own replies read the link (their size, what they share the link and this
-        tier's cores with), with no change in the link. Another plan's pace stands while
-        the link as each kind of reply read it then reads within ``LINK_DRIFT`` now: a move
-        between the node's replies and the store's own changes which kind reads it, not
-        the link."""
+        The plan running is read as it runs (a decision after a move waits for a
+        pipeline's worth of its steps), so its pace stands whatever the link reads
+        meanwhile: a plan changes how its own replies read the link (their size, what they
+        share the link and this tier's cores with), with no change in the link. Another
+        plan's pace stands while the link as each kind of reply read it then reads within
+        ``LINK_DRIFT`` now: a move between the node's replies and the store's own changes
+        which kind reads it, not the link."""
         measured = self.read(plan.key)
         if measured is None:
             return plan.pace_ms
-        if plan.key == self.plan.key or all(_close(then, self._readings[reader])
-                          for reader, then in measured.links.items() if then is not None):
-            return measured.pace_ms
-        return plan.pace_ms
+        link_alike = all(_close(then, self._readings[reader])
+                         for reader, then in measured.links.items() if then is not None)
+        return measured.pace_ms if plan.key == self.plan.key or link_alike else plan.pace_ms
 
     def read(self, plan: tuple) -> _Measured | None:
         """The measurement of ``plan`` (a plan's key), where it holds a pipeline's worth of
