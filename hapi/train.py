@@ -222,12 +222,11 @@ class Checkpoints:
 
 
 def train_one_epoch(trainer: HeadTrainer, data: Pipeline, epoch: int, args: argparse.Namespace, metrics: MetricsLog,
-                    checkpoints: Checkpoints | None = None, done: int = 0) -> Totals:
+                    moves: Moves, checkpoints: Checkpoints | None = None, done: int = 0) -> Totals:
     """Trains the epoch's batches after the first ``done`` (trained by an earlier attempt);
     the totals count this attempt's steps only."""
     samples, world = data.train_samples, data.world
     batches = -(-len(samples) // args.batch_size)
-    announced = len(data.planner.switches) if data.planner else 0
     totals = Totals()
     started = time.perf_counter()
     with tqdm(total=len(samples), initial=min(done * args.batch_size, len(samples)),
@@ -244,7 +243,7 @@ def train_one_epoch(trainer: HeadTrainer, data: Pipeline, epoch: int, args: argp
                            "loss": loss, "wait_s": batch.wait_s, "compute_s": compute_s,
                            "wire_bytes": batch.wire_bytes, "raw_bytes": batch.raw_bytes, "requests": batch.requests,
                            "elapsed_ms": batch.elapsed_ms, "source_ms": batch.timings, "keys": batch.keys})
-            announced = announce_moves(data, metrics, announced)
+            moves.announce()
             bar.update(data.batch_samples(step))
             bar.set_postfix(loss=f"{loss:.3f}")
             if checkpoints is not None:
@@ -253,31 +252,35 @@ def train_one_epoch(trainer: HeadTrainer, data: Pipeline, epoch: int, args: argp
     return totals
 
 
-def evaluate(trainer: HeadTrainer, data: Pipeline, metrics: MetricsLog) -> Totals:
+def evaluate(trainer: HeadTrainer, data: Pipeline, moves: Moves) -> Totals:
     totals = Totals()
     started = time.perf_counter()
-    announced = len(data.planner.switches) if data.planner else 0
     with tqdm(total=len(data.val_samples), desc="validate", unit="img", leave=False,
               disable=data.world is not None and not data.world.leader) as bar:
         for batch in data.validation():
             loss_sum, correct = trainer.evaluate_batch(batch.features, batch.labels, batch.split)
             totals.add(Totals(len(batch.keys), loss_sum, correct, batch.wire_bytes, batch.raw_bytes, batch.wait_s))
-            announced = announce_moves(data, metrics, announced)
+            moves.announce()
             bar.update(len(batch.keys))
     totals.seconds = time.perf_counter() - started
     return totals
 
 
-def announce_moves(data: Pipeline, metrics: MetricsLog, announced: int) -> int:
-    """Writes the planner's moves after the first ``announced`` (to the console and the
-    metrics log, a move made while validation is read included); returns how many are."""
-    if data.planner is None:
-        return announced
-    for sent, plan, why in data.planner.switches[announced:]:
-        tqdm.write(f"planner: from sample {sent} on, {describe_plan(data.model, plan)} ({why})")
-        metrics.write({"switch": {"at_sample": sent, "why": why, "plan": plan.label,
-                                  "parts": [asdict(c) for c in plan.parts], "shares": plan.shares}})
-    return len(data.planner.switches)
+class Moves:
+    """Writes each of the planner's moves once, to the console and the metrics log, as the
+    run trains and validates."""
+
+    def __init__(self, data: Pipeline, metrics: MetricsLog) -> None:
+        self.data, self.metrics, self.announced = data, metrics, 0
+
+    def announce(self) -> None:
+        if self.data.planner is None:
+            return
+        for sent, plan, why in self.data.planner.switches[self.announced:]:
+            tqdm.write(f"planner: from sample {sent} on, {describe_plan(self.data.model, plan)} ({why})")
+            self.metrics.write({"switch": {"at_sample": sent, "why": why, "plan": plan.label,
+                                           "parts": [asdict(c) for c in plan.parts], "shares": plan.shares}})
+        self.announced = len(self.data.planner.switches)
 
 
 def job_totals(totals: Totals, world: World | None) -> Totals:
@@ -362,10 +365,11 @@ def run_job(args: argparse.Namespace, world: World | None) -> int:
         say(f"HAPI: {args.model}, {describe_split(model, data.split)} (freeze index {model.spec.freeze_index}); "
             f"data set {manifest.name!r} at {data.store_url}; run in {run_dir}{ranks}")
 
+        moves = Moves(data, metrics)
         for epoch in range(start_epoch, args.epochs):
-            stats = train_one_epoch(trainer, data, epoch, args, metrics, checkpoints,
+            stats = train_one_epoch(trainer, data, epoch, args, metrics, moves, checkpoints,
                                     done if epoch == start_epoch else 0)
-            val = job_totals(evaluate(trainer, data, metrics), world)
+            val = job_totals(evaluate(trainer, data, moves), world)
             checkpoints.save(epoch + 1, 0)
             metrics.write({"epoch": epoch, "train": asdict(stats), "val": asdict(val)})
             stats = job_totals(stats, world)
