@@ -648,10 +648,15 @@ class OnlinePlanner:
             # model's, or a measured pace's standard error (steps read in bursts scatter
             # widely, and a cold start's slow steps are among them). Two prices of the model
             # err alike, and are compared at its error alone.
+            # A move on a prediction is a bet that the new plan's pace settles, and the run
+            # leaves a plan measured slower: with fewer samples left than fill its pipeline
+            # and read its pace (a pipeline's worth of batches each), a loss could not be
+            # undone, and only a measured plan is moved to.
+            settles = measured or self.remaining >= 2 * self.batches_in_flight * self.batch_size
             incumbent_error = self._error(self.plan.key) if self.read(self.plan.key) else 0.0
             margin = math.hypot(self._error(best.key), incumbent_error)
             fill_ms = best.fill_ms * self.batch_size
-            if not started or self.run_ms(best) + fill_ms < self.run_ms(incumbent) * (1 - margin):
+            if not started or settles and self.run_ms(best) + fill_ms < self.run_ms(incumbent) * (1 - margin):
                 self._switch(best, f"{'measured' if measured else 'predicted'} {self.expected_ms(best):.1f} "
                                    f"ms/sample against {incumbent_ms:.1f}")
                 return
