@@ -244,16 +244,19 @@ class Pipeline:
         requests_per_batch = -(-batch // c.request_size)
         # After the first epoch the feature cache serves validation, and training too
         # unless augmentation draws new crops every epoch.
-        later = (epochs - 1) * ((0 if c.augment else len(self.train_samples)) + len(self.val_samples))
-        cached = later if c.feature_cache else 0
+        later_train = (epochs - 1) * (0 if c.augment else len(self.train_samples))
+        cached_train = later_train if c.feature_cache else 0
+        cached = later_train + (epochs - 1) * len(self.val_samples) if c.feature_cache else 0
         passes = 2 * epochs - ((epochs - 1) * (1 if c.augment else 2) if c.feature_cache else 0)
         sent = epochs * (len(self.train_samples) + len(self.val_samples)) - cached
+        train_sent = epochs * len(self.train_samples) - cached_train
         return OnlinePlanner(profile, self.model.spec.freeze_index, batch, -(-sent // ranks),
                              node_passes=max(1, node_passes(clients, max(c.depth, 1) * ranks) // ranks),
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
                              dtypes=tuple(dict.fromkeys((*(c.dtypes or (c.dtype,)), wire_dtype(0, c.dtype)))),
                              batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
-                             cached_samples=-(-cached // ranks), step_ratio=ratio, passes=passes)
+                             cached_samples=-(-cached // ranks), step_ratio=ratio, passes=passes,
+                             train_samples=-(-train_sent // ranks))
 
     def train(self, epoch: int, done: int = 0) -> Iterator[Batch]:
         """The training batches of ``epoch``, shuffled from (seed, epoch), after the first

@@ -322,7 +322,7 @@ class OnlinePlanner:
                  dtypes: tuple[str, ...] = ("float32",), batches_in_flight: int = 1,
                  compute_memory_budget: float = math.inf, node_profile: HostProfile | None = None,
                  cached_samples: int = 0, node_passes: int = 1, step_ratio: Future[float] | None = None,
-                 passes: int = 0) -> None:
+                 passes: int = 0, train_samples: int | None = None) -> None:
         """``profile``: this host's, or another's of its kind with ``step_ratio``: this host's
         prefix and step against the profile's, being timed (the first move waits for it);
         ``node_profile``: the storage node's, where known (else the node is priced as this
@@ -330,7 +330,8 @@ class OnlinePlanner:
         send; ``cached_samples``: those of later epochs that a feature cache will serve
         instead (they cost this tier's work on them alone); ``node_passes``: the run's
         requests the nodes run at once; ``passes``: its passes over batches that send
-        requests (each epoch's training and validation, less those the cache serves)."""
+        requests (each epoch's training and validation, less those the cache serves);
+        ``train_samples``: of ``run_samples``, those of training batches (default: all)."""
         self.profile, self.freeze, self.batch_size = profile, freeze, batch_size
         self.dtypes, self.memory_budget = dtypes, compute_memory_budget
         self.batches_in_flight = batches_in_flight
@@ -340,6 +341,8 @@ class OnlinePlanner:
         self._profile_fixed_ms = (node_profile or profile).decode_ms  # the node's work beside its prefix, unread
         self.run_samples = run_samples  # validation included
         self.remaining = run_samples  # samples the run has yet to send
+        # Of those, the ones whose steps will be read (``trained`` hears training steps only).
+        self.train_left = run_samples if train_samples is None else train_samples
         self.cached_samples = cached_samples
         self.passes_left = passes  # passes over batches still to start that send requests
         self.explore_left = EXPLORE_SHARE * run_samples
@@ -568,6 +571,8 @@ class OnlinePlanner:
         if self._arrived:
             self._replan()
         self.remaining -= samples
+        if training:
+            self.train_left -= samples
         if self._exploring is not None:
             candidate, left = self._exploring
             self._exploring = (candidate, left - 1) if left > 1 else None
@@ -602,6 +607,7 @@ class OnlinePlanner:
         self._scouted = True
         self._scout_bytes = image.bytes_per_sample
         self.remaining -= count
+        self.train_left -= count
         return image, count
 
     def _replan(self) -> None:
@@ -649,10 +655,10 @@ class OnlinePlanner:
             # widely, and a cold start's slow steps are among them). Two prices of the model
             # err alike, and are compared at its error alone.
             # A move on a prediction is a bet that the new plan's pace settles, and the run
-            # leaves a plan measured slower: with fewer samples left than fill its pipeline
-            # and read its pace (a pipeline's worth of batches each), a loss could not be
-            # undone, and only a measured plan is moved to.
-            settles = measured or self.remaining >= 2 * self.batches_in_flight * self.batch_size
+            # leaves a plan measured slower: with fewer samples left to train than fill its
+            # pipeline and read its pace (a pipeline's worth of batches each; validation's
+            # steps are not read), a loss could not be undone, and only a measured plan is moved to.
+            settles = measured or self.train_left >= 2 * self.batches_in_flight * self.batch_size
             incumbent_error = self._error(self.plan.key) if self.read(self.plan.key) else 0.0
             margin = math.hypot(self._error(best.key), incumbent_error)
             fill_ms = best.fill_ms * self.batch_size

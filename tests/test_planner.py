@@ -242,8 +242,9 @@ def test_a_gain_that_cannot_pay_for_the_switch_before_the_run_ends_is_not_taken(
 
 
 def test_a_predicted_move_the_rest_of_the_run_cannot_settle_is_not_taken() -> None:
-    def second_pick(left: int) -> tuple[int, str]:
-        p = planner(run_samples=BATCH + left)
+    def second_pick(left: int, validation: int = 0) -> tuple[int, str]:
+        p = OnlinePlanner(PROFILE, FREEZE, BATCH, BATCH + left, RAW, batches_in_flight=2,
+                          train_samples=BATCH + left - validation)
         p.pick(BATCH)
         warm(p, reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 3.0)))
         return p.pick(BATCH).key
@@ -253,6 +254,8 @@ def test_a_predicted_move_the_rest_of_the_run_cannot_settle_is_not_taken() -> No
     # though the predicted gain pays its fill with the model's error to spare.
     assert second_pick(left=4 * BATCH) == (0, "float32")
     assert second_pick(left=3 * BATCH) == (3, "float32")
+    # Validation's steps are not read: four batches left, one of them validation's, settle nothing.
+    assert second_pick(left=4 * BATCH, validation=BATCH) == (3, "float32")
 
 
 def test_after_a_scout_the_run_starts_at_the_best_however_close_the_safe_start() -> None:
