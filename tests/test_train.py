@@ -7,14 +7,16 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from hapi.datasets import make_synthetic
 from hapi.models import build_model
+from hapi.planner import Candidate, single
 from hapi.store import FileStore
-from hapi.train import cli
+from hapi.train import MetricsLog, Moves, cli
 
 SMALL = ["--model", "resnet18", "--image-size", "64", "--train-per-class", "4", "--val-per-class", "2",
          "--batch-size", "8"]
@@ -159,3 +161,22 @@ def test_auto_split_starts_at_once_explains_and_trains(cache_dir, capsys) -> Non
     assert sum("<- current" in line for line in table) == 1 + plan_line.count(" + ")
     assert "trained 40 samples" in out
     assert list((cache_dir / "profiles").glob("*/resnet18-64.json"))  # this host's stage times, saved
+
+
+def test_each_planner_move_is_written_once_across_training_and_validation(tmp_path, capsys) -> None:
+    def move(split: int) -> Candidate:
+        return Candidate(split, "float32", 1.0, 1.0, 1.0, 1.0, 1.0)
+
+    planner = SimpleNamespace(switches=[(0, single(move(3)), "first")])
+    data = SimpleNamespace(planner=planner, model=build_model("resnet18", input_size=64))
+    metrics = MetricsLog(tmp_path / "metrics.jsonl", 1, None)
+    moves = Moves(data, metrics)
+    moves.announce()  # a training step
+    moves.announce()  # the next: nothing new
+    planner.switches.append((96, single(move(5)), "while validating"))
+    moves.announce()  # a validation batch
+    metrics.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["switch"]["at_sample"], r["switch"]["why"]) for r in records if "switch" in r] == [
+        (0, "first"), (96, "while validating")]
+    assert capsys.readouterr().out.count("planner: from sample") == 2
