@@ -374,6 +374,7 @@ class OnlinePlanner:
         self._arrived = 0  # samples whose replies arrived
         self._moves = 0  # moves made (explorations are not)
         self._calibrated = False  # a steady-state pace has been charged to the model
+        self._sharing = 1.0  # the latest pair read: its measured pace over its model's (see ``expected_ms``)
         self._scouted = False  # the first batch's scout has gone
         self._scout_bytes = math.inf  # per sample, what the scout shipped
         self._node_served: set[int] = set()  # the splits the nodes served a batch at
@@ -497,7 +498,10 @@ class OnlinePlanner:
         where the model says it paces the plan: the node works on a share of the samples,
         and a cost per node sample read there would be multiplied by the inverse of that
         share when a plan of the node alone is priced, though what slowed the shared plan
-        need not grow with the node's samples at all.
+        need not grow with the node's samples at all. What a pair's pace shows beyond its
+        model after that is the cost of sharing itself (``_sharing``): the model prices a
+        pair at its tiers' perfect balance, which whole batches taking turns on them miss;
+        that price is the least its parts' prices allow, so a pair read faster adds nothing.
         """
         self._calibrated = True
         model = self._repriced(self.plan)
@@ -505,17 +509,17 @@ class OnlinePlanner:
         if len(model.parts) == 1:
             node_works = model.parts[0].split != ALL_IN_COMPUTE
             tier = 0 if node_works and loads[0] >= loads[2] else 2
-        elif loads[2] >= max(loads):
-            tier = 2
         else:
-            return
+            tier = 2 if loads[2] >= max(loads) else None
         excess = wall_ms - max(loads)
         if tier == 0:
             unseen = self.conditions.node_unseen_ms + excess
             self.conditions = replace(self.conditions, node_unseen_ms=max(unseen, 0.0))
-        elif loads[2] > 0:
+        elif tier == 2 and loads[2] > 0:
             self._loader_factor = max(self._loader_factor * (loads[2] + excess) / loads[2], 1.0)
             self._rescale_compute()
+        if len(model.parts) == 2:
+            self._sharing = max(wall_ms / self._repriced(self.plan).pace_ms, 1.0)
 
     def _step_work_ms(self, plan: tuple) -> float:
         """Per sample, the profile's price of what a training step of ``plan`` (a plan's key)
@@ -535,7 +539,10 @@ class OnlinePlanner:
 
     def expected_ms(self, plan: Plan) -> float:
         """Per sample: the pace the run measured for ``plan`` while the world was as it is
-        now, else the model's.
+        now, else the model's. A pair the run has not measured is priced at the model's
+        pace times what sharing cost the latest pair read (``_charge_unseen``): the cost
+        comes of sharing, not of which two candidates share, and without it the model would
+        move the run from one measured pair to the next on gains none of them reaches.
 
         The plan running is read as it runs (a decision after a move waits for a
         pipeline's worth of its steps), so its pace stands whatever the link reads
@@ -544,12 +551,13 @@ class OnlinePlanner:
         plan's pace stands while the link as each kind of reply read it then reads within
         ``LINK_DRIFT`` now: a move between the node's replies and the store's own changes
         which kind reads it, not the link."""
+        model_ms = plan.pace_ms * (self._sharing if len(plan.parts) == 2 else 1.0)
         measured = self.read(plan.key)
         if measured is None:
-            return plan.pace_ms
+            return model_ms
         link_alike = all(_close(then, self._readings[reader])
                          for reader, then in measured.links.items() if then is not None)
-        return measured.pace_ms if plan.key == self.plan.key or link_alike else plan.pace_ms
+        return measured.pace_ms if plan.key == self.plan.key or link_alike else model_ms
 
     def read(self, plan: tuple) -> _Measured | None:
         """The measurement of ``plan`` (a plan's key), where it holds a pipeline's worth of

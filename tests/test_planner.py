@@ -629,6 +629,40 @@ def test_a_shared_plan_measured_slow_never_makes_the_node_look_slower() -> None:
     assert p.conditions.node_unseen_ms == 0.0
 
 
+def test_what_sharing_cost_a_measured_pair_prices_the_pairs_not_yet_measured() -> None:
+    def train(p: OnlinePlanner, count: int, ms_per_sample: float) -> None:
+        """``count`` batches on an 8 MB/s link and a node like this host, trained at
+        ``ms_per_sample``, of which the step took the profile's price of its stages."""
+        for _ in range(count):
+            c = p.pick(BATCH)
+            r = reply(c.split, BATCH, float(next(CLOCK)), 1.0,
+                      **(node_timings(c.split, BATCH, 1.0) if c.split != ALL_IN_COMPUTE else {}))
+            p.arrived(replace(r, link_interval=(r.link_interval[0], r.link_interval[0] + r.wire_bytes / 8e6)))
+            work_ms = BATCH * p._step_work_ms(p._training_picks[0]) / 1e3
+            p.trained(BATCH, BATCH * ms_per_sample / 1e3 - work_ms, work_ms)
+
+    p = planner()
+    p.pick(BATCH)
+    p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
+    train(p, 4, 5.0)
+    # As above, the run shares the batches between splits 0 and 3 (3.53 ms a sample
+    # predicted), and trains at 4.6: 1.3x the model's pace for it.
+    p.pick(BATCH)
+    assert [c.split for c in p.plan.parts] == [0, 3]
+    train(p, 8, 4.6)
+    assert p._sharing == pytest.approx(4.6 / 3.53, abs=0.01)
+    # All-in-compute sharing with split 3 is priced at 3.79 by the model: 18% faster than
+    # the pair measured, a move. Sharing costs it what it cost the measured pair (4.94), so
+    # the run stays; a candidate alone is priced as before.
+    other = next(plan for plan in p.plans() if [c.split for c in plan.parts] == [ALL_IN_COMPUTE, 3])
+    assert other.pace_ms == pytest.approx(3.79, abs=0.01)
+    assert p.expected_ms(other) == pytest.approx(other.pace_ms * 4.6 / 3.53, abs=0.02)
+    alone = single(next(c for c in p.options() if c.split == 4))
+    assert p.expected_ms(alone) == alone.pace_ms
+    p.pick(BATCH)
+    assert [c.split for c in p.plan.parts] == [0, 3] and len(p.switches) == 1
+
+
 def test_a_store_on_the_node_s_cores_is_priced_beside_its_prefix_not_under_it() -> None:
     # A fast link (128 MB/s) and a node as fast as this host, whose reads (4 ms a sample)
     # overlap its decode and prefix (5 ms a sample at split 3): split 1 is best.
