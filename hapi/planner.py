@@ -648,12 +648,13 @@ class OnlinePlanner:
             # first window), so the first plan ships no more bytes a sample than the scout did.
             plans = [p for p in plans if p.bytes_per_sample <= self._scout_bytes] or plans
         best = min(plans, key=self.run_ms)
-        if not started and best.loads[0] >= max(best.loads):
-            # The node is not read yet (the scout's reply reads the link only), and its price
-            # is a floor: this host's speed, with nothing for the store beside it, other jobs
-            # or HTTP, all of which only add. Where it paces the best, the first plan is the
-            # one of those the model cannot separate from the best that leaves the node least
-            # work; where the node proves faster, its readings move the run deeper.
+        if not self._node_fixed and best.loads[0] >= max(best.loads):
+            # Until the node is read (not from a scout's reply, which reads the link only, nor
+            # from a split's first batch, its cold start), its price is a floor: this host's
+            # speed, with nothing for the store beside it, other jobs or HTTP, all of which
+            # only add. Where it paces the best, the plan is the one of those the model cannot
+            # separate from the best that leaves the node least work; where the node proves
+            # faster, its readings move the run deeper.
             near = [p for p in plans if self.run_ms(p) <= self.run_ms(best) * (1 + MODEL_ERROR)]
             best = min(near, key=lambda p: p.loads[0])
         if best.key != self.plan.key:

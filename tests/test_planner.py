@@ -295,6 +295,22 @@ def test_the_first_batch_s_replies_may_move_the_start_a_scout_chose_at_once() ->
     assert p.pick(BATCH).split == 3 and len(p.switches) == 2
 
 
+def test_until_the_node_is_read_the_run_moves_where_the_model_s_near_best_leave_it_least_work() -> None:
+    # Splits 2 and 3 ship 10.4 and 8 KB a sample, and leave the node 4 and 5 ms of work.
+    profile = replace(PROFILE, output_elements=(40_000, 2_600, 2_000, 9_000, 1_000, 10))
+    p = OnlinePlanner(profile, FREEZE, BATCH, 10_000, RAW, batches_in_flight=2)
+    p.plan = single(next(c for c in p.options() if c.split == 0))
+    assert p.pick(BATCH).split == 0
+    # The first batch's reply reads 2 MB/s: split 3 is predicted at 5 ms a sample, paced by
+    # the node, split 2 at 5.2 (its transfer), within the model's error. The node's first
+    # batch at a split is its cold start, so its price is still a floor: the run moves to
+    # split 2, which leaves the node less work.
+    p.arrived(reply(0, BATCH, 1.0, BATCH * 49_152 / 2e6, **node_timings(0, BATCH, 1.0)))
+    alone = [plan for plan in p.plans() if len(plan.parts) == 1]
+    assert min(alone, key=p.run_ms).parts[0].split == 3
+    assert p.pick(BATCH).split == 2
+
+
 def test_the_link_is_read_over_the_time_it_was_busy_not_per_reply() -> None:
     p = planner()
     p.pick(BATCH)
