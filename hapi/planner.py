@@ -625,15 +625,11 @@ class OnlinePlanner:
         # After a move, the next waits for the new plan's pace, read once its pipeline has
         # filled: a move on a prediction is a bet that this reading settles, and the replies
         # of a pipeline changing plans read the link and the node as neither plan does
-        # alone. The first move, on the first batch's replies, is the one that cannot wait.
-        # (Where a scout's reply chose the start, nothing was sent to leave, so that is no
-        # move; it rests on a short reply's reading of the link, which the first batch's
-        # replies, alone on the link, read again before anything else is decided.)
+        # alone. The first move, on the first reply, is the one that cannot wait.
         running = self.read(self.plan.key)
         waiting = self._moves and not (running and running.moves == self._moves
                                        and running.fresh >= self.batches_in_flight)
-        started = any(self._dealt)
-        if self._exploring is not None or waiting or started and not self._node_served:
+        if self._exploring is not None or waiting:
             return
         # A pair's gain is a balance of two tiers' loads over many batches: the run moves to
         # one only once a steady-state pace has calibrated the tiers (``_charge_unseen``), and
@@ -643,6 +639,7 @@ class OnlinePlanner:
             self._calibrated and min(p.shares) * self.remaining >= self.batches_in_flight * self.batch_size)]
         incumbent = self._repriced(self.plan)
         incumbent_ms = self.expected_ms(incumbent)
+        started = any(self._dealt)
         if not started:
             # A scout's short reply reads the link fast (a shaper's burst, an unthrottled
             # first window), so the first plan ships no more bytes a sample than the scout did.
@@ -713,8 +710,8 @@ class OnlinePlanner:
     def _switch(self, plan: Plan, why: str) -> None:
         sent = self.run_samples - self.remaining
         self.switches.append((sent, plan, why))
-        self._moves += any(self._dealt)  # the start, where nothing was sent, is no move
         self.plan, self._dealt = plan, [0.0] * len(plan.parts)
+        self._moves += 1
 
     def explain(self, stage_names: tuple[str, ...]) -> str:
         """Every candidate as the planner sees it now, one line each, then the plan."""

@@ -280,21 +280,6 @@ def test_before_the_node_is_read_the_run_starts_where_the_model_s_near_best_leav
     assert p.pick(BATCH - count).key == (0, "float32")
 
 
-def test_the_first_batch_s_replies_may_move_the_start_a_scout_chose_at_once() -> None:
-    p = planner()
-    _, count = p.scout(BATCH)
-    # The scout's short reply rides a burst (98 MB/s): the run starts at split 0, and the
-    # batches that fill its pipeline go there too; nothing new is known until theirs arrive.
-    p.arrived(reply(0, count, 0.0, count * 49_152 / 98e6, **node_timings(0, count, 1.0)))
-    assert [p.pick(BATCH - count).split] + [p.pick(BATCH).split for _ in range(3)] == [0] * 4
-    assert len(p.switches) == 1
-    # The first batch's reply, alone on the link, reads 128 KB/s: split 0's images would
-    # take 380 ms a sample. The start was no move (nothing had been sent to leave), so this
-    # is the first, and it need not wait for split 0's pace.
-    p.arrived(reply(0, BATCH, 1.0, BATCH * 49_152 / 128e3, **node_timings(0, BATCH, 1.0)))
-    assert p.pick(BATCH).split == 3 and len(p.switches) == 2
-
-
 def test_until_the_node_is_read_the_run_moves_where_the_model_s_near_best_leave_it_least_work() -> None:
     # Splits 2 and 3 ship 10.4 and 8 KB a sample, and leave the node 4 and 5 ms of work.
     profile = replace(PROFILE, output_elements=(40_000, 2_600, 2_000, 9_000, 1_000, 10))
