@@ -358,7 +358,7 @@ class OnlinePlanner:
         self._exploring: tuple[Candidate, int] | None = None  # (candidate, batches still to send)
         self._explored: set[tuple[int, str]] = set()
         self._measured: dict[tuple, _Measured] = {}
-        self._training_picks: deque[tuple] = deque()  # the plan of each training batch sent, in order
+        self._training_picks: deque[tuple[tuple, int]] = deque()  # (plan, split) of each training batch sent, in order
         self._links: deque[tuple[float, float, int, float | None]] = deque(maxlen=RECENT)
         self._links_by_reader: dict[str, deque[tuple[float, float, int, float | None]]] = {
             reader: deque(maxlen=RECENT) for reader in READERS}
@@ -450,7 +450,7 @@ class OnlinePlanner:
     def trained(self, samples: int, wait_s: float, compute_s: float) -> None:
         """Learn the plan's wall pace from one training step (its wait for data and its
         compute), and charge what the model does not explain to its bottleneck tier."""
-        plan = self._training_picks.popleft() if self._training_picks else None
+        plan, split = self._training_picks.popleft() if self._training_picks else (None, None)
         first_step = plan != self._previous_plan
         if first_step:
             self._filling = self.batches_in_flight
@@ -458,7 +458,7 @@ class OnlinePlanner:
         # A plan's first step also creates its stages' kernels: no reading of this tier's speed.
         # Nor is a step that is mostly the head's: the time of one small layer says little of
         # the frozen convolutions the scale also prices.
-        work_ms = self._step_work_ms(plan) if plan is not None else 0.0
+        work_ms = self._step_work_ms(split) if split is not None else 0.0
         if (work_ms >= 2 * self.profile.train_ms and samples == self.batch_size and not first_step
                 and compute_s > 0):
             self._step_scales.append(compute_s * 1e3 / samples / work_ms)
@@ -521,12 +521,11 @@ class OnlinePlanner:
         if len(model.parts) == 2:
             self._sharing = max(wall_ms / self._repriced(self.plan).pace_ms, 1.0)
 
-    def _step_work_ms(self, plan: tuple) -> float:
-        """Per sample, the profile's price of what a training step of ``plan`` (a plan's key)
-        runs: the frozen stages after each part's split, and the trainable ones."""
-        forward, freeze = self.profile.forward_ms, self.freeze
-        return sum(share * (sum(forward[max(split, 0):freeze]) + self.profile.train_ms)
-                   for (split, _), share in plan)
+    def _step_work_ms(self, split: int) -> float:
+        """Per sample, the profile's price of what a training step on a batch extracted at
+        ``split`` runs: the frozen stages after it, and the trainable ones. A pair's batches
+        go whole to one part, so a step runs one part's stages, not the shares' mean."""
+        return sum(self.profile.forward_ms[max(split, 0):self.freeze]) + self.profile.train_ms
 
     def _rescale_compute(self) -> None:
         """This tier's factor on its profiled work: what its steps measure against the
@@ -593,7 +592,7 @@ class OnlinePlanner:
             self._dealt[part] += samples
             chosen, plan_key = self.plan.parts[part], self.plan.key
         if training:
-            self._training_picks.append(plan_key)
+            self._training_picks.append((plan_key, chosen.split))
         return chosen
 
     def scout(self, samples: int) -> tuple[Candidate, int] | None:

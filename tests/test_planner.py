@@ -654,7 +654,7 @@ def test_what_sharing_cost_a_measured_pair_prices_the_pairs_not_yet_measured() -
             r = reply(c.split, BATCH, float(next(CLOCK)), 1.0,
                       **(node_timings(c.split, BATCH, 1.0) if c.split != ALL_IN_COMPUTE else {}))
             p.arrived(replace(r, link_interval=(r.link_interval[0], r.link_interval[0] + r.wire_bytes / 8e6)))
-            work_ms = BATCH * p._step_work_ms(p._training_picks[0]) / 1e3
+            work_ms = BATCH * p._step_work_ms(c.split) / 1e3
             p.trained(BATCH, BATCH * ms_per_sample / 1e3 - work_ms, work_ms)
 
     p = planner()
@@ -677,6 +677,26 @@ def test_what_sharing_cost_a_measured_pair_prices_the_pairs_not_yet_measured() -
     assert p.expected_ms(alone) == alone.pace_ms
     p.pick(BATCH)
     assert [c.split for c in p.plan.parts] == [0, 3] and len(p.switches) == 1
+
+
+def test_a_shared_plan_s_steps_read_this_tier_at_the_stages_each_batch_ran() -> None:
+    p = planner()
+    p.pick(BATCH)
+    # As above, half the batches each at split 0 and 3 ...
+    p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
+    steps(p, 4, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
+    p.pick(BATCH)
+    assert [c.split for c in p.plan.parts] == [0, 3]
+    # ... each step at the profile's price of its own batch's stages: split 0's run the four
+    # frozen stages, split 3's one (and the head's). This tier is as fast as the profile, and
+    # every step reads it so; priced at the shares' mean, split 0's steps would read it 1.5x
+    # slower and split 3's 2x faster, and the scale would follow whichever part had more batches.
+    for _ in range(12):
+        c = p.pick(BATCH)
+        p.arrived(reply(c.split, BATCH, float(next(CLOCK)), BATCH * 8_000 / 8e6, **node_timings(c.split, BATCH, 1.0)))
+        p.trained(BATCH, 0.0, BATCH * (sum(PROFILE.forward_ms[c.split:FREEZE]) + PROFILE.train_ms) / 1e3)
+    assert len(p._step_scales) == 8 and p._step_scales == pytest.approx([1.0] * 8)
+    assert p.conditions.compute_scale == pytest.approx(1.0)
 
 
 def test_a_store_on_the_node_s_cores_is_priced_beside_its_prefix_not_under_it() -> None:
