@@ -645,18 +645,21 @@ def test_a_shared_plan_measured_slow_never_makes_the_node_look_slower() -> None:
     assert p.conditions.node_unseen_ms == 0.0
 
 
-def test_what_sharing_cost_a_measured_pair_prices_the_pairs_not_yet_measured() -> None:
-    def train(p: OnlinePlanner, count: int, ms_per_sample: float) -> None:
-        """``count`` batches on an 8 MB/s link and a node like this host, trained at
-        ``ms_per_sample``, of which the step took the profile's price of its stages."""
-        for _ in range(count):
-            c = p.pick(BATCH)
-            r = reply(c.split, BATCH, float(next(CLOCK)), 1.0,
-                      **(node_timings(c.split, BATCH, 1.0) if c.split != ALL_IN_COMPUTE else {}))
-            p.arrived(replace(r, link_interval=(r.link_interval[0], r.link_interval[0] + r.wire_bytes / 8e6)))
-            work_ms = BATCH * p._step_work_ms(c.split) / 1e3
-            p.trained(BATCH, BATCH * ms_per_sample / 1e3 - work_ms, work_ms)
+def train(p: OnlinePlanner, count: int, ms_per_sample: float | None = None) -> None:
+    """``count`` batches on an 8 MB/s link and a node like this host, each step taking the
+    profile's price of its own batch's stages, trained at ``ms_per_sample`` (default: that
+    step alone, with no wait for data)."""
+    for _ in range(count):
+        c = p.pick(BATCH)
+        r = reply(c.split, BATCH, float(next(CLOCK)), 1.0,
+                  **(node_timings(c.split, BATCH, 1.0) if c.split != ALL_IN_COMPUTE else {}))
+        p.arrived(replace(r, link_interval=(r.link_interval[0], r.link_interval[0] + r.wire_bytes / 8e6)))
+        step_ms = sum(PROFILE.forward_ms[max(c.split, 0):FREEZE]) + PROFILE.train_ms
+        wait_ms = 0.0 if ms_per_sample is None else ms_per_sample - step_ms
+        p.trained(BATCH, BATCH * wait_ms / 1e3, BATCH * step_ms / 1e3)
 
+
+def test_what_sharing_cost_a_measured_pair_prices_the_pairs_not_yet_measured() -> None:
     p = planner()
     p.pick(BATCH)
     p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
@@ -691,10 +694,7 @@ def test_a_shared_plan_s_steps_read_this_tier_at_the_stages_each_batch_ran() -> 
     # frozen stages, split 3's one (and the head's). This tier is as fast as the profile, and
     # every step reads it so; priced at the shares' mean, split 0's steps would read it 1.5x
     # slower and split 3's 2x faster, and the scale would follow whichever part had more batches.
-    for _ in range(12):
-        c = p.pick(BATCH)
-        p.arrived(reply(c.split, BATCH, float(next(CLOCK)), BATCH * 8_000 / 8e6, **node_timings(c.split, BATCH, 1.0)))
-        p.trained(BATCH, 0.0, BATCH * (sum(PROFILE.forward_ms[c.split:FREEZE]) + PROFILE.train_ms) / 1e3)
+    train(p, 12)
     assert len(p._step_scales) == 8 and p._step_scales == pytest.approx([1.0] * 8)
     assert p.conditions.compute_scale == pytest.approx(1.0)
 
