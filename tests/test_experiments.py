@@ -1,6 +1,7 @@
 """Smoke tests: experiments run end to end in their --quick sizes and feed the report."""
 
 import csv
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,7 @@ def test_overlap_quick_feeds_the_report(tmp_path) -> None:
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Overlap ablation" in report and "| depth 2 |" in report
     assert "*No split sweep results yet.*" in report  # a missing experiment is said, not hidden
+    assert "## Against s3torchconnector" in report and "*No results yet.*" in report
 
 
 @pytest.mark.skipif(twohosts.available() is not None, reason=f"two emulated hosts: {twohosts.available()}")
@@ -60,9 +62,13 @@ def test_split_sweep_runs_on_two_emulated_hosts_and_feeds_the_report(tmp_path) -
     # still holds it at the end; the candidates alone always are.)
     assert all(float(r["predicted_ms"]) > 0 for r in rows if " + " not in r["candidate"])
     assert all(float(r["run_s"]) > 0 for r in rows)
+    (results / "split_sweep" / "heldout.csv").write_text((results / "split_sweep" / "sweep.csv").read_text())
     _run("experiments.report", "--results", str(results), "--output", str(tmp_path / "REPORT.md"))
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Headline" in report and "| resnet18 |" in report and "## Where HAPI loses" in report
+    # The same case held out and in the paper's sweep counts once over both.
+    assert "## Choice on cases the planner was not developed on" in report
+    assert re.search(r"With the paper's cases above: \*\*[01]/1 = ", report)
     assert (results / "split_sweep" / "throughput.png").stat().st_size > 0
 
 
