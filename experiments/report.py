@@ -250,11 +250,12 @@ def write_report(results: Path, report: Path) -> None:
            "joined by a veth link shaped with `tc tbf`. Models are randomly initialised: these runs measure time "
            "and bytes, not accuracy. Ratios are measured side by side in one run.", ""]
     sweep = results / "split_sweep" / "sweep.csv"
+    paper = read(sweep) if sweep.exists() else []
     out += ["Command: `sudo python -m experiments.split_sweep` (see its docstring for sizing).", ""]
-    out += sweep_section(read(sweep), sweep.parent) if sweep.exists() else ["*No split sweep results yet.*", ""]
+    out += sweep_section(paper, sweep.parent) if paper else ["*No split sweep results yet.*", ""]
     heldout = results / "split_sweep" / "heldout.csv"
     if heldout.exists():
-        out += heldout_section(read(heldout), read(sweep) if sweep.exists() else [])
+        out += heldout_section(read(heldout), paper)
     out += head_to_head_section(results / "head_to_head" / "table.md")
 
     sections = [

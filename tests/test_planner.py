@@ -631,14 +631,21 @@ def test_a_node_running_several_of_the_run_s_requests_at_once_serves_them_that_m
     assert best(at(1e10, **slow_node, node_passes=32)) == (2, "float32")
 
 
-def test_a_shared_plan_measured_slow_never_makes_the_node_look_slower() -> None:
+def sharing_splits_0_and_3() -> OnlinePlanner:
+    """A run on an 8 MB/s link that, after four steps at split 3 paced at 5 ms a sample, has
+    moved to half the batches each at splits 0 and 3 (as in the test of the pair above)."""
     p = planner()
     p.pick(BATCH)
-    # As above, half the batches each at split 0 and 3 (3.5 ms a sample predicted) ...
     p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
     steps(p, 4, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
     p.pick(BATCH)
-    assert len(p.plan.parts) == 2
+    assert [c.split for c in p.plan.parts] == [0, 3]
+    return p
+
+
+def test_a_shared_plan_measured_slow_never_makes_the_node_look_slower() -> None:
+    p = sharing_splits_0_and_3()
+    # As above, half the batches each at split 0 and 3 (3.5 ms a sample predicted) ...
     # ... trains at 20 ms a sample. The node works on half the samples: charged per node
     # sample, that would price split 3 alone at 33 ms, though nothing says the node slowed.
     steps(p, 6, 20.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
@@ -660,14 +667,9 @@ def train(p: OnlinePlanner, count: int, ms_per_sample: float | None = None) -> N
 
 
 def test_what_sharing_cost_a_measured_pair_prices_the_pairs_not_yet_measured() -> None:
-    p = planner()
-    p.pick(BATCH)
-    p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
-    train(p, 4, 5.0)
+    p = sharing_splits_0_and_3()
     # As above, the run shares the batches between splits 0 and 3 (3.53 ms a sample
     # predicted), and trains at 4.6: 1.3x the model's pace for it.
-    p.pick(BATCH)
-    assert [c.split for c in p.plan.parts] == [0, 3]
     train(p, 8, 4.6)
     assert p._sharing == pytest.approx(4.6 / 3.53, abs=0.01)
     # All-in-compute sharing with split 3 is priced at 3.79 by the model: 18% faster than
@@ -683,13 +685,8 @@ def test_what_sharing_cost_a_measured_pair_prices_the_pairs_not_yet_measured() -
 
 
 def test_a_shared_plan_s_steps_read_this_tier_at_the_stages_each_batch_ran() -> None:
-    p = planner()
-    p.pick(BATCH)
+    p = sharing_splits_0_and_3()
     # As above, half the batches each at split 0 and 3 ...
-    p.arrived(reply(3, BATCH, 0.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0)))
-    steps(p, 4, 5.0, BATCH * 8_000 / 8e6, **node_timings(3, BATCH, 1.0))
-    p.pick(BATCH)
-    assert [c.split for c in p.plan.parts] == [0, 3]
     # ... each step at the profile's price of its own batch's stages: split 0's run the four
     # frozen stages, split 3's one (and the head's). This tier is as fast as the profile, and
     # every step reads it so; priced at the shares' mean, split 0's steps would read it 1.5x
