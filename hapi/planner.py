@@ -58,11 +58,12 @@ from hapi.wire import IMAGE_WIRE_DTYPES, WIRE_DTYPES, wire_dtype_allowed
 
 ALL_IN_COMPUTE = -1  # the candidate that pushes nothing down: raw objects to the compute tier
 FLOAT32_BYTES = 4
-# A predicted gain smaller than this share moves nothing, and a candidate predicted within
-# it of the incumbent is one the model cannot separate (exploration measures those). The
-# model's relative prices err by more (a median of 16-20% in the split sweeps' cases,
-# predicted against measured ratio to the choice), so a move on a prediction is a bet that
-# the run's measurement of the new plan settles: a plan measured slower is left again.
+# How far the model's price of a plan the run has not read may be from its pace, as a share:
+# a move on a prediction is a bet sized against a price this much worse (``_risk_ms``), and a
+# candidate predicted within it of the incumbent is one the model cannot separate
+# (exploration measures those). The model's relative prices err by more (a median of 16-20%
+# in the split sweeps' cases, predicted against measured ratio to the choice), so a bet is
+# one the run's measurement of the new plan settles: a plan measured slower is left again.
 MODEL_ERROR = 0.1
 # At most this share of a run's samples goes to candidates explored to separate them.
 EXPLORE_SHARE = 0.05
@@ -226,6 +227,12 @@ class Plan:
         return max(c.fill_ms for c in self.parts)
 
     @property
+    def latency_ms(self) -> float:
+        """Per sample, from a batch's request until its data is on this tier: its node's
+        work and its transfer, one after the other (the slower part's, for a pair)."""
+        return max(c.storage_ms + c.transfer_ms for c in self.parts)
+
+    @property
     def bytes_per_sample(self) -> float:
         return sum(c.bytes_per_sample * share for c, share in zip(self.parts, self.shares))
 
@@ -288,10 +295,13 @@ class _Measured:
 
     @property
     def error(self) -> float | None:
-        """The relative standard error of ``pace_ms``; None under three steps."""
-        if len(self.paces) < 3:
+        """The relative standard error of ``pace_ms``; None under two steps. Two steps can
+        show that the pace scatters, not that it does not: under three, the error is at
+        least the model's."""
+        if len(self.paces) < 2:
             return None
-        return statistics.stdev(self.paces) / math.sqrt(len(self.paces)) / self.pace_ms
+        error = statistics.stdev(self.paces) / math.sqrt(len(self.paces)) / self.pace_ms
+        return error if len(self.paces) >= 3 else max(error, MODEL_ERROR)
 
 
 @dataclass(frozen=True)
@@ -375,6 +385,8 @@ class OnlinePlanner:
         self._moves = 0  # moves made (explorations are not)
         self._calibrated = False  # a steady-state pace has been charged to the model
         self._sharing = 1.0  # the latest pair read: its measured pace over its model's (see ``expected_ms``)
+        self._bet_links: dict[str, float | None] = {}  # the link as each kind of reply read it at the latest decision
+        self._bet_more_bytes = False  # the latest move was to more bytes a sample
         self._scouted = False  # the first batch's scout has gone
         self._scout_bytes = math.inf  # per sample, what the scout shipped
         self._node_served: set[int] = set()  # the splits the nodes served a batch at
@@ -554,9 +566,17 @@ class OnlinePlanner:
         measured = self.read(plan.key)
         if measured is None:
             return model_ms
-        link_alike = all(_close(then, self._readings[reader])
-                         for reader, then in measured.links.items() if then is not None)
-        return measured.pace_ms if plan.key == self.plan.key or link_alike else model_ms
+        return measured.pace_ms if plan.key == self.plan.key or self._link_alike(measured.links) else model_ms
+
+    def _link_alike(self, then: dict[str, float | None]) -> bool:
+        """Whether each kind of reply reads the link within ``LINK_DRIFT`` of ``then``."""
+        return all(_close(rate, self._readings[reader]) for reader, rate in then.items() if rate is not None)
+
+    def _link_slower(self, then: dict[str, float | None]) -> bool:
+        """Whether some kind of reply reads the link slower than ``then`` by more than ``LINK_DRIFT``."""
+        now = self._readings
+        return any(rate is not None and now[reader] is not None and now[reader] < rate * (1 - LINK_DRIFT)
+                   for reader, rate in then.items())
 
     def read(self, plan: tuple) -> _Measured | None:
         """The measurement of ``plan`` (a plan's key), where it holds a pipeline's worth of
@@ -625,11 +645,17 @@ class OnlinePlanner:
         # filled: a move on a prediction is a bet that this reading settles, and the replies
         # of a pipeline changing plans read the link and the node as neither plan does
         # alone. The first move, on the first reply, is the one that cannot wait.
+        # A move to more bytes a sample is priced at the link read then: where the link now
+        # reads slower by more than ``LINK_DRIFT`` (a scout's few bytes can ride a shaper's
+        # burst; the link changed), the price the move rested on is gone, and the run decides
+        # again at once. A link reading faster only makes such a move cheaper, and a move to
+        # fewer bytes loses nothing as the link slows.
         running = self.read(self.plan.key)
-        waiting = self._moves and not (running and running.moves == self._moves
-                                       and running.fresh >= self.batches_in_flight)
+        settled = running and running.moves == self._moves and running.fresh >= self.batches_in_flight
+        waiting = self._moves and not settled and not (self._bet_more_bytes and self._link_slower(self._bet_links))
         if self._exploring is not None or waiting:
             return
+        self._bet_links = self._readings
         # A pair's gain is a balance of two tiers' loads over many batches: the run moves to
         # one only once a steady-state pace has calibrated the tiers (``_charge_unseen``), and
         # while the rest of the run holds a pipeline's worth of batches of its smaller share
@@ -657,24 +683,51 @@ class OnlinePlanner:
             measured = self.read(best.key) is not None
             # A plan nothing was sent to yet (only a scout went ahead) is a prediction too,
             # and leaving it refills no pipeline: the run starts at the best. Otherwise the
-            # rest of the run on the new plan, with its pipeline's fill, must beat the
-            # incumbent's by more than the error of the prices compared, combined: the
-            # model's, or a measured pace's standard error (steps read in bursts scatter
-            # widely, and a cold start's slow steps are among them). Two prices of the model
-            # err alike, and are compared at its error alone.
-            # A move on a prediction is a bet that the new plan's pace settles, and the run
-            # leaves a plan measured slower: with fewer samples left to train than fill its
-            # pipeline and read its pace (a pipeline's worth of batches each; validation's
-            # steps are not read), a loss could not be undone, and only a measured plan is moved to.
-            settles = measured or self.train_left >= 2 * self.batches_in_flight * self.batch_size
-            incumbent_error = self._error(self.plan.key) if self.read(self.plan.key) else 0.0
-            margin = math.hypot(self._error(best.key), incumbent_error)
-            fill_ms = best.fill_ms * self.batch_size
-            if not started or settles and self.run_ms(best) + fill_ms < self.run_ms(incumbent) * (1 - margin):
+            # move must save, over the rest of the run and beyond its own cost, more than
+            # the prices compared may err by (``_risk_ms``). With fewer samples left to train
+            # than fill a new plan's pipeline and read its pace (a pipeline's worth of
+            # batches each; validation's steps are not read), a bet could not be undone,
+            # and only a measured plan is moved to.
+            settles = measured or self.train_left >= self._bet_samples
+            gain_ms = self.run_ms(incumbent) - self.run_ms(best) - self._move_ms(best, incumbent)
+            if not started or settles and gain_ms > self._risk_ms(best, incumbent):
                 self._switch(best, f"{'measured' if measured else 'predicted'} {self.expected_ms(best):.1f} "
                                    f"ms/sample against {incumbent_ms:.1f}")
                 return
         self._maybe_explore([p.parts[0] for p in plans if len(p.parts) == 1], incumbent_ms)
+
+    @property
+    def _bet_samples(self) -> int:
+        """The samples a move sends before its plan's pace is read: a pipeline's worth of
+        batches fills it, a pipeline's worth more are read."""
+        return 2 * self.batches_in_flight * self.batch_size
+
+    def _move_ms(self, to: Plan, frm: Plan) -> float:
+        """What moving from ``frm`` to ``to`` costs beyond ``to``'s pace: its first batch's
+        wait for its node and the link that the batches already in flight do not cover
+        (this tier trains them meanwhile, at ``frm``'s pace)."""
+        covered_ms = (self.batches_in_flight - 1) * self.expected_ms(frm)
+        return max(to.latency_ms - covered_ms, 0.0) * self.batch_size
+
+    def _risk_ms(self, best: Plan, incumbent: Plan) -> float:
+        """What a move to ``best`` may lose where the prices compared err. A measured pace
+        errs by its standard error (a pace read in bursts scatters widely, and a cold
+        start's slow steps are among its readings): between two measured paces (the
+        incumbent's, and ``best``'s while the link reads as it did), the two combined, over
+        the rest of the run.
+
+        A move on a prediction is a bet that the run reads the new plan's pace and leaves
+        it again where it is slower: beside the incumbent's own error over the rest of the
+        run, the bet may lose the samples sent until that reading at the model's worst (its
+        error beyond the prediction), and the move back. The model errs either way, so its
+        prediction is the likelier outcome, and a bet that saves more when right than it
+        loses when wrong gains on average."""
+        incumbent_error = self._error(self.plan.key) if self.read(self.plan.key) else 0.0
+        if self.read(best.key) is not None:
+            return math.hypot(self._error(best.key), incumbent_error) * self.run_ms(incumbent)
+        worst_ms = self.expected_ms(best) * (1 + MODEL_ERROR) - self.expected_ms(incumbent)
+        return (incumbent_error * self.run_ms(incumbent) + self._bet_samples * max(worst_ms, 0.0)
+                + self._move_ms(incumbent, best))
 
     def _repriced(self, plan: Plan) -> Plan:
         """``plan`` as the model prices it now (its shares kept)."""
@@ -701,7 +754,7 @@ class OnlinePlanner:
 
     def _error(self, plan: tuple) -> float:
         """The relative error of the price of ``plan`` (a plan's key): its measured pace's
-        standard error; the model's where it is not read or has fewer than three steps."""
+        standard error; the model's where it is not read."""
         measured = self.read(plan)
         error = measured.error if measured is not None else None
         return MODEL_ERROR if error is None else error
@@ -709,6 +762,7 @@ class OnlinePlanner:
     def _switch(self, plan: Plan, why: str) -> None:
         sent = self.run_samples - self.remaining
         self.switches.append((sent, plan, why))
+        self._bet_more_bytes = plan.bytes_per_sample > self.plan.bytes_per_sample
         self.plan, self._dealt = plan, [0.0] * len(plan.parts)
         self._moves += 1
 
