@@ -12,7 +12,8 @@ and this tier from each reply and training step. (Until the node is read, its pr
 floor: where it paces the fastest, the run starts at the plan within the model's error
 that leaves the node least work.) Where no scout can go (a job of many
 ranks), the first batch goes alone to the candidate safest while the link is unknown.
-It moves only when the time saved over the rest of the run exceeds what the move costs.
+It moves only when the time saved over the rest of the run exceeds what the move costs
+and what it may lose where the prices it rests on err.
 
 The cost model, per sample (a candidate is a split s, stages [0, s) on the storage node,
 or all-in-compute, which ships the raw objects):
@@ -702,11 +703,11 @@ class OnlinePlanner:
         batches fills it, a pipeline's worth more are read."""
         return 2 * self.batches_in_flight * self.batch_size
 
-    def _move_ms(self, to: Plan, frm: Plan) -> float:
-        """What moving from ``frm`` to ``to`` costs beyond ``to``'s pace: its first batch's
-        wait for its node and the link that the batches already in flight do not cover
-        (this tier trains them meanwhile, at ``frm``'s pace)."""
-        covered_ms = (self.batches_in_flight - 1) * self.expected_ms(frm)
+    def _move_ms(self, to: Plan, leaving: Plan) -> float:
+        """What moving from ``leaving`` to ``to`` costs beyond ``to``'s pace: its first
+        batch's wait for its node and the link that the batches already in flight do not
+        cover (this tier trains them meanwhile, at ``leaving``'s pace)."""
+        covered_ms = (self.batches_in_flight - 1) * self.expected_ms(leaving)
         return max(to.latency_ms - covered_ms, 0.0) * self.batch_size
 
     def _risk_ms(self, best: Plan, incumbent: Plan) -> float:
