@@ -287,18 +287,19 @@ def write_report(results: Path, report: Path) -> None:
 
 
 def heldout_section(rows: list[dict], paper_rows: list[dict]) -> list[str]:
-    """The choice on cases the planner was not developed on, and over every case with the paper's."""
+    """The choice on cases beyond the paper's, and over every case with the paper's."""
     per_case = judge(rows)
     within = sum(c["within"] for c in per_case.values())
     everything = {**judge(paper_rows), **per_case}
     total = sum(c["within"] for c in everything.values())
     return [
-        "## Choice on cases the planner was not developed on", "",
+        "## Choice on cases beyond the paper's", "",
         "Commands: `sudo python -m experiments.split_sweep --models resnet101,vgg16,mobilenet_v3_large "
-        "--bandwidths 10,50 --batch-sizes 8,16` (held out: models, bandwidths and batch sizes no planner change "
-        "was tuned on) and `--models resnet50 --bandwidths 10,50 --batch-sizes 16` (with the held-out "
-        "mobilenet_v3_large batch 16 cases, the four cases of the issue that asked for the online planner), "
-        "judged as above.", "",
+        "--bandwidths 10,50 --batch-sizes 8,16` (models, bandwidths and batch sizes other than the paper's) and "
+        "`--models resnet50 --bandwidths 10,50 --batch-sizes 16` (with the mobilenet_v3_large batch 16 cases, "
+        "the four cases of the issue that asked for the online planner), judged as above. The planner's rule "
+        "for moves was shaped by two of their misses (mobilenet_v3_large 10 Mbit/s and resnet50 50 Mbit/s, "
+        "batch 16), so they are no longer cases it was not developed on.", "",
         f"Choice best or within 5% of the measured best in **{within}/{len(per_case)}** of these cases; "
         f"{regret_spread([c['regret'] for c in per_case.values()])}. With the paper's cases above: "
         f"**{total}/{len(everything)} = {total / len(everything):.0%}**, "

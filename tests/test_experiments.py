@@ -67,7 +67,7 @@ def test_split_sweep_runs_on_two_emulated_hosts_and_feeds_the_report(tmp_path) -
     report = (tmp_path / "REPORT.md").read_text()
     assert "## Headline" in report and "| resnet18 |" in report and "## Where HAPI loses" in report
     # The same case held out and in the paper's sweep counts once over both.
-    assert "## Choice on cases the planner was not developed on" in report
+    assert "## Choice on cases beyond the paper's" in report
     assert re.search(r"With the paper's cases above: \*\*[01]/1 = ", report)
     assert (results / "split_sweep" / "throughput.png").stat().st_size > 0
 
