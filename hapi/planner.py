@@ -386,8 +386,8 @@ class OnlinePlanner:
         self._moves = 0  # moves made (explorations are not)
         self._calibrated = False  # a steady-state pace has been charged to the model
         self._sharing = 1.0  # the latest pair read: its measured pace over its model's (see ``expected_ms``)
-        self._bet_links: dict[str, float | None] = {}  # the link as each kind of reply read it at the latest decision
-        self._bet_more_bytes = False  # the latest move was to more bytes a sample
+        # The link as each kind of reply read it when the latest move, to more bytes a sample, was priced
+        self._bet_links: dict[str, float | None] = {}
         self._scouted = False  # the first batch's scout has gone
         self._scout_bytes = math.inf  # per sample, what the scout shipped
         self._node_served: set[int] = set()  # the splits the nodes served a batch at
@@ -653,10 +653,9 @@ class OnlinePlanner:
         # fewer bytes loses nothing as the link slows.
         running = self.read(self.plan.key)
         settled = running and running.moves == self._moves and running.fresh >= self.batches_in_flight
-        waiting = self._moves and not settled and not (self._bet_more_bytes and self._link_slower(self._bet_links))
+        waiting = self._moves and not settled and not self._link_slower(self._bet_links)
         if self._exploring is not None or waiting:
             return
-        self._bet_links = self._readings
         # A pair's gain is a balance of two tiers' loads over many batches: the run moves to
         # one only once a steady-state pace has calibrated the tiers (``_charge_unseen``), and
         # while the rest of the run holds a pipeline's worth of batches of its smaller share
@@ -723,7 +722,7 @@ class OnlinePlanner:
         error beyond the prediction), and the move back. The model errs either way, so its
         prediction is the likelier outcome, and a bet that saves more when right than it
         loses when wrong gains on average."""
-        incumbent_error = self._error(self.plan.key) if self.read(self.plan.key) else 0.0
+        incumbent_error = self._error(incumbent.key) if self.read(incumbent.key) else 0.0
         if self.read(best.key) is not None:
             return math.hypot(self._error(best.key), incumbent_error) * self.run_ms(incumbent)
         worst_ms = self.expected_ms(best) * (1 + MODEL_ERROR) - self.expected_ms(incumbent)
@@ -763,7 +762,7 @@ class OnlinePlanner:
     def _switch(self, plan: Plan, why: str) -> None:
         sent = self.run_samples - self.remaining
         self.switches.append((sent, plan, why))
-        self._bet_more_bytes = plan.bytes_per_sample > self.plan.bytes_per_sample
+        self._bet_links = self._readings if plan.bytes_per_sample > self.plan.bytes_per_sample else {}
         self.plan, self._dealt = plan, [0.0] * len(plan.parts)
         self._moves += 1
 

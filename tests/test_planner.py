@@ -1,6 +1,7 @@
 """The cost model and the online policy, on toy profiles whose best split is known by construction."""
 
 import itertools
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -10,6 +11,7 @@ from hapi.measure import SHIPPED_PROFILES, HostProfile
 from hapi.planner import (
     ALL_IN_COMPUTE,
     EXPLORE_SHARE,
+    Candidate,
     Conditions,
     OnlinePlanner,
     Plan,
@@ -540,55 +542,55 @@ def test_after_a_move_the_next_waits_for_the_new_plan_s_pace() -> None:
     assert p.pick(BATCH).split == ALL_IN_COMPUTE and len(p.switches) == 1
 
 
+# Splits 3 and 4 ship 2,000 and 2,100 floats: on a 100 KB/s link the model prices them at 80
+# and 84 ms a sample, closer than it can separate.
+TWINS = replace(PROFILE, output_elements=(40_000, 30_000, 2_000, 2_100, 1_000, 10))
+
+
+def run_twins(samples: int, step_ms: Callable[[OnlinePlanner, Candidate], tuple[float, float]]
+              ) -> tuple[OnlinePlanner, int]:
+    """A run of ``samples`` samples over ``TWINS``, on a 100 KB/s link and a node like this
+    host, each batch trained at ``step_ms`` (its wait and its compute, per sample); the
+    planner, and the samples sent to candidates outside the plan (explored)."""
+    p = OnlinePlanner(TWINS, FREEZE, BATCH, samples, RAW, batches_in_flight=2)
+    explored = 0
+    for step in range(samples // BATCH):
+        c = p.pick(BATCH)
+        explored += BATCH if c.key not in {part.key for part in p.plan.parts} else 0
+        wire_bytes = int(c.bytes_per_sample * BATCH)
+        timings = node_timings(c.split, BATCH, 1.0) if c.split != ALL_IN_COMPUTE else {}
+        p.arrived(Reply(c.split, c.dtype, BATCH, wire_bytes, (step, step + wire_bytes / 1e5), timings))
+        wait_ms, compute_ms = step_ms(p, c)
+        p.trained(BATCH, BATCH * wait_ms / 1e3, BATCH * compute_ms / 1e3)
+    return p, explored
+
+
 def test_exploration_stays_within_its_share_of_the_run_and_a_short_run_never_explores() -> None:
-    # Splits 3 and 4 ship 2,000 and 2,100 floats: on a slow link the model cannot separate them.
-    twins = replace(PROFILE, output_elements=(40_000, 30_000, 2_000, 2_100, 1_000, 10))
+    def at_the_model_s_pace(p: OnlinePlanner, c: Candidate) -> tuple[float, float]:
+        model = p.priced(c)
+        return model.pace_ms - model.compute_ms, model.compute_ms
 
-    def run(samples: int) -> tuple[int, list]:
-        p = OnlinePlanner(twins, FREEZE, BATCH, samples, RAW, batches_in_flight=2)
-        explored = 0
-        for step in range(samples // BATCH):
-            c = p.pick(BATCH)
-            explored += BATCH if c.key not in {part.key for part in p.plan.parts} else 0
-            # A 100 KB/s link and a node like this host; every candidate runs at the pace
-            # the model gives it.
-            r = reply(c.split, BATCH, step, 0.0, **(node_timings(c.split, BATCH, 1.0)
-                                                   if c.split != ALL_IN_COMPUTE else {}))
-            p.arrived(replace(r, link_interval=(step, step + r.wire_bytes / 1e5)))
-            model = p.priced(c)
-            p.trained(BATCH, BATCH * (model.pace_ms - model.compute_ms) / 1e3, BATCH * model.compute_ms / 1e3)
-        return explored, p.switches
-
-    explored, switches = run(10_000)
+    p, explored = run_twins(10_000, at_the_model_s_pace)
     assert 0 < explored <= EXPLORE_SHARE * 10_000
-    assert any("exploring" in why for _, _, why in switches)
-    explored, switches = run(20 * BATCH)
-    assert explored == 0 and not any("exploring" in why for _, _, why in switches)
+    assert any("exploring" in why for _, _, why in p.switches)
+    p, explored = run_twins(20 * BATCH, at_the_model_s_pace)
+    assert explored == 0 and not any("exploring" in why for _, _, why in p.switches)
 
 
 def test_a_move_within_the_model_s_error_is_a_bet_taken_where_the_run_repays_it_and_undone_if_it_loses() -> None:
-    # Splits 3 and 4 ship 2,000 and 2,100 floats: on a 100 KB/s link the model prices them
-    # at 80 and 84 ms a sample. The run starts at split 3, and its steps read 88.
-    twins = replace(PROFILE, output_elements=(40_000, 30_000, 2_000, 2_100, 1_000, 10))
-
-    def run(samples: int, ms: dict[int, float]) -> list[int]:
+    def moves(samples: int, ms: dict[int, float]) -> list[int]:
         """The splits a run of ``samples`` samples moves to, where split s trains at ms[s]."""
-        p = OnlinePlanner(twins, FREEZE, BATCH, samples, RAW, batches_in_flight=2)
-        for step in range(samples // BATCH):
-            c = p.pick(BATCH)
-            wire_bytes = int(c.bytes_per_sample * BATCH)
-            p.arrived(Reply(c.split, c.dtype, BATCH, wire_bytes, (step, step + wire_bytes / 1e5),
-                            node_timings(c.split, BATCH, 1.0)))
-            p.trained(BATCH, BATCH * (ms[c.split] - 1.0) / 1e3, BATCH * 1.0 / 1e3)
+        p, _ = run_twins(samples, lambda p, c: (ms[c.split] - 1.0, 1.0))
         return [plan.parts[0].split for _, plan, _ in p.switches]
 
-    # Split 4, predicted 4.5% faster (within the model's error), is a bet: a run long
-    # enough to repay what it may lose takes it, reads split 4, and stays where it is faster ...
-    assert run(600, {3: 88.0, 4: 84.0}) == [4]
+    # The run starts at split 3, and its steps read 88 ms a sample. Split 4, predicted 4.5%
+    # faster (within the model's error), is a bet: a run long enough to repay what it may
+    # lose takes it, reads split 4, and stays where it is faster ...
+    assert moves(600, {3: 88.0, 4: 84.0}) == [4]
     # ... and goes back where it is slower.
-    assert run(600, {3: 88.0, 4: 92.0}) == [4, 3]
+    assert moves(600, {3: 88.0, 4: 92.0}) == [4, 3]
     # A run with fewer samples left than the bet needs to be read stays.
-    assert run(40, {3: 88.0, 4: 84.0}) == []
+    assert moves(40, {3: 88.0, 4: 84.0}) == []
 
 
 # An H200 compute tier and the same host's 16 CPU cores (or the H200 itself) as the storage
