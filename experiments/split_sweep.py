@@ -12,7 +12,8 @@ process and the trainer on core 1; the veth link shaped with tc):
 2. The steady-state pace of every candidate (all-in-compute and every split up to the
    freeze index), trained here through the pipelined loader with ``hapi.train``'s depth of
    requests in flight. The clock starts once the pipeline is full and stops while it still
-   is (``experiments.windows``).
+   is (``experiments.windows``). A mix's windows hold its shares of the batches
+   (``timed_for``).
 
 The verdict judges the choice on that steady-state pace. The machine's speed drifts by tens
 of percent within a minute, more than the 5% at stake, so absolute times taken a minute
@@ -86,6 +87,9 @@ GIVE_UP_FACTOR = 1.4
 # for the winner's curse and minutes of windows.
 RETIME_WITHIN = 1.2
 RIVALS = 4
+# A window of a mix holds its shares of the batches within a point: its pace within about a
+# percent of the mix's, well inside the 5% the verdict draws.
+SHARE_TOLERANCE = 0.01
 # The choice is "within 5% of the best" when no rival trained faster than 1 / WITHIN of its time.
 WITHIN = 1.05
 # A rival gets another bracketed window while its median ratio is within two standard errors
@@ -109,20 +113,49 @@ def single(split: int, dtype: str) -> PlanKey:
     return (((split, dtype), 1.0),)
 
 
+def deal(shares: list[float], dealt: list[float], samples: int) -> int:
+    """The part a batch of ``samples`` goes to, as the planner deals: the one furthest behind
+    its share of the samples dealt (``dealt``, updated)."""
+    total = sum(dealt) + samples
+    part = max(range(len(shares)), key=lambda i: shares[i] * total - dealt[i])
+    dealt[part] += samples
+    return part
+
+
+def timed_for(key: PlanKey, at_least: int) -> int:
+    """Timed iterations of a window of ``key``: ``at_least`` for one candidate; for a mix,
+    the fewest from ``at_least`` (to twice that) whose batches, dealt by the mix's shares,
+    hold those shares within ``SHARE_TOLERANCE`` (else the nearest). A window holds whole
+    batches, so a mix's pace in one is the pace at the shares it holds: a ten-batch window
+    of a 58/42 mix holds 6 and 4, and reads a mix bound by its larger part 3% slow."""
+    shares = [share for _, share in key]
+    if len(shares) == 1:
+        return at_least
+
+    def off(n: int) -> float:
+        dealt = [0.0] * len(shares)
+        for _ in range(n):
+            deal(shares, dealt, 1)
+        return max(abs(d / n - share) for d, share in zip(dealt, shares))
+    return min(range(at_least, 2 * at_least + 1), key=lambda n: (max(off(n), SHARE_TOLERANCE), n))
+
+
 class Mixed:
-    """Deals the batches between sources by their shares, as the planner does: each batch to
-    the source furthest behind its share of the samples dealt."""
+    """Deals the batches between sources by their shares, as the planner does, its tally
+    restarted at the window's first timed batch (``restart_at``), so that the timed batches
+    hold the shares as ``timed_for`` counted them, whatever the warm-up left over."""
 
     settled = True
 
-    def __init__(self, sources: list, shares: list[float]) -> None:
-        self.sources, self.shares, self.dealt = sources, shares, [0.0] * len(sources)
+    def __init__(self, sources: list, shares: list[float], restart_at: int) -> None:
+        self.sources, self.shares, self.restart_at = sources, shares, restart_at
+        self.dealt, self.picked = [0.0] * len(sources), 0
 
     def pick(self, samples: int):
-        total = sum(self.dealt) + samples
-        part = max(range(len(self.sources)), key=lambda i: self.shares[i] * total - self.dealt[i])
-        self.dealt[part] += samples
-        return self.sources[part]
+        if self.picked == self.restart_at:
+            self.dealt = [0.0] * len(self.sources)
+        self.picked += 1
+        return self.sources[deal(self.shares, self.dealt, samples)]
 
     def arrived(self, part, samples: int) -> None:
         pass
@@ -233,7 +266,7 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
 
     def measure(key: PlanKey, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
         parts = [sources.build(*candidate)[0] for candidate, _ in key]
-        source = parts[0] if len(parts) == 1 else Mixed(parts, [share for _, share in key])
+        source = parts[0] if len(parts) == 1 else Mixed(parts, [share for _, share in key], args.warmup)
         return window_ms(source, step, samples, batch_size, REQUEST_SIZE, args.depth, args.warmup, timed, give_up_ms)
 
     def predicted(key: PlanKey) -> dict:
@@ -249,10 +282,11 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
         # The link alone takes bytes / bandwidth: a physical lower bound, not the cost model.
         link_bound_ms = p.get("bytes_per_sample", 0.0) * batch_size / (bandwidth * 1e6 / 8) * 1e3
         give_up_ms = float("inf") if key == chosen else GIVE_UP_FACTOR * best_ms
+        timed = timed_for(key, args.iterations)
         if link_bound_ms > give_up_ms:
             measured, stopped = link_bound_ms, True
         else:
-            measured, stopped = measure(key, args.iterations, give_up_ms)
+            measured, stopped = measure(key, timed, give_up_ms)
         if not stopped:
             best_ms = min(best_ms, measured)
         rows[key] = {"bandwidth_mbit": bandwidth, "model": name, "image_size": image_size, "batch_size": batch_size,
@@ -260,7 +294,7 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
                      "stage": "-" if split <= 0 else model.stage_names[split - 1],
                      "bytes_per_sample": round(p.get("bytes_per_sample", 0.0)),
                      "predicted_ms": round(p["pace_ms"] * batch_size, 1) if p else "",
-                     "measured_ms": round(measured, 1), "timed_iterations": 0 if stopped else args.iterations,
+                     "measured_ms": round(measured, 1), "timed_iterations": 0 if stopped else timed,
                      "long_windows_ms": "", "vs_choice": "", "ratios_to_choice": "", "confirm_ratios": "",
                      "stopped_early": stopped, "chosen": key == chosen, "bottleneck": p.get("bottleneck", ""),
                      "run_measured": p.get("measured_ms") is not None, "run_s": round(auto.seconds, 1),
@@ -281,7 +315,8 @@ def compare(rows: dict[PlanKey, dict], chosen: PlanKey, measure, args: argparse.
                      and row["measured_ms"] <= RETIME_WITHIN * best_ms),
                     key=lambda k: rows[k]["measured_ms"])[:RIVALS]
     # A long window lasts at least args.window_s.
-    iterations = {key: max(args.long_iterations, math.ceil(args.window_s * 1e3 / rows[key]["measured_ms"]))
+    iterations = {key: timed_for(key, max(args.long_iterations,
+                                          math.ceil(args.window_s * 1e3 / rows[key]["measured_ms"])))
                   for key in (*rivals, chosen)}
 
     def long_window(key: PlanKey) -> float:

@@ -45,6 +45,18 @@ def test_overlap_quick_feeds_the_report(tmp_path) -> None:
 
 
 @pytest.mark.skipif(twohosts.available() is not None, reason=f"two emulated hosts: {twohosts.available()}")
+def test_a_window_of_a_mix_holds_the_mix_s_shares_of_its_batches() -> None:
+    # Ten batches of a 58/42 mix hold 6 and 4 whatever the deal: the window grows until
+    # its batches hold the shares, and the deal restarts where the clock does.
+    key = (((0, "uint8"), 0.58), ((17, "float32"), 0.42))
+    timed = split_sweep.timed_for(key, 10)
+    assert 10 < timed <= 20
+    mixed = split_sweep.Mixed(["images", "features"], [0.58, 0.42], restart_at=3)
+    window = [mixed.pick(4) for _ in range(3 + timed)][3:]
+    assert abs(window.count("images") / timed - 0.58) <= split_sweep.SHARE_TOLERANCE
+    assert split_sweep.timed_for((((9, "float32"), 1.0),), 10) == 10
+
+
 def test_split_sweep_runs_on_two_emulated_hosts_and_feeds_the_report(tmp_path) -> None:
     results = tmp_path / "results"
     out = _run("experiments.split_sweep", "--quick", "--models", "resnet18", "--bandwidths", "20",
