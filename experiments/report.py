@@ -25,6 +25,7 @@ from experiments.split_sweep import (  # noqa: E402
     GIVE_UP_FACTOR,
     RETIME_WITHIN,
     RIVALS,
+    SHARE_TOLERANCE,
     error_spread,
     regret_spread,
     verdict,
@@ -192,7 +193,8 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         "alone is the verdict (confirmation); a choice selection found within 5% stands, since the bias runs "
         f"against it. By the selection windows alone, the choice was within 5% of the best in "
         f"{within_by_selection}/{len(per_case)} cases. A candidate's ms/iter is the median of its own long windows "
-        "(its screening window when it had none); every window and ratio is in the CSV.",
+        "(its screening window when it had none); a mix's windows grow until their batches hold its shares "
+        f"within {SHARE_TOLERANCE:.0%}. Every window and ratio is in the CSV.",
         "",
         "![throughput](results/split_sweep/throughput.png)", "",
         "Training throughput against bandwidth, normalised by what all-in-compute would consume at full "
