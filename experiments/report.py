@@ -194,7 +194,8 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         f"against it. By the selection windows alone, the choice was within 5% of the best in "
         f"{within_by_selection}/{len(per_case)} cases. A candidate's ms/iter is the median of its own long windows "
         "(its screening window when it had none); a mix's windows grow until their batches hold its shares "
-        f"within {SHARE_TOLERANCE:.0%}. Every window and ratio is in the CSV.",
+        f"within {SHARE_TOLERANCE:.0%}, and start after as many batches as they time (its node must get ahead of "
+        "batches that cost it unevenly). Every window and ratio is in the CSV.",
         "",
         "![throughput](results/split_sweep/throughput.png)", "",
         "Training throughput against bandwidth, normalised by what all-in-compute would consume at full "

@@ -13,7 +13,7 @@ process and the trainer on core 1; the veth link shaped with tc):
    freeze index), trained here through the pipelined loader with ``hapi.train``'s depth of
    requests in flight. The clock starts once the pipeline is full and stops while it still
    is (``experiments.windows``). A mix's windows hold its shares of the batches
-   (``timed_for``).
+   (``timed_for``), and start after as many batches as they time.
 
 The verdict judges the choice on that steady-state pace. The machine's speed drifts by tens
 of percent within a minute, more than the 5% at stake, so absolute times taken a minute
@@ -266,8 +266,16 @@ def sweep_case(name: str, batch_size: int, storage: StorageHost, samples: list, 
 
     def measure(key: PlanKey, timed: int, give_up_ms: float = float("inf")) -> tuple[float, bool]:
         parts = [sources.build(*candidate)[0] for candidate, _ in key]
-        source = parts[0] if len(parts) == 1 else Mixed(parts, [share for _, share in key], args.warmup)
-        return window_ms(source, step, samples, batch_size, REQUEST_SIZE, args.depth, args.warmup, timed, give_up_ms)
+        if len(parts) == 1:
+            source, warmup = parts[0], args.warmup
+        else:
+            # A mix's batches cost the node unevenly (a deep split's against an image's
+            # decode), so its pipeline is full only once the node has got ahead of the
+            # stream, which takes many batches where the node is nearly as busy as this tier:
+            # its clock starts after as many batches as it times.
+            warmup = max(args.warmup, timed)
+            source = Mixed(parts, [share for _, share in key], warmup)
+        return window_ms(source, step, samples, batch_size, REQUEST_SIZE, args.depth, warmup, timed, give_up_ms)
 
     def predicted(key: PlanKey) -> dict:
         return auto.predicted.get(auto.settled_label if key == chosen else label_of(key), {})
