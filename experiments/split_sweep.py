@@ -68,7 +68,7 @@ from experiments import twohosts
 from experiments.twohosts import StorageHost
 from experiments.windows import window_ms
 from hapi.models import build_model
-from hapi.planner import ALL_IN_COMPUTE
+from hapi.planner import ALL_IN_COMPUTE, deal
 from hapi.train import DEFAULT_DEPTH
 from hapi.transforms import TransformSpec
 from hapi.wire import ExtractRequest, wire_dtype
@@ -111,15 +111,6 @@ PlanKey = tuple[tuple[tuple[int, str], float], ...]
 
 def single(split: int, dtype: str) -> PlanKey:
     return (((split, dtype), 1.0),)
-
-
-def deal(shares: list[float], dealt: list[float], samples: int) -> int:
-    """The part a batch of ``samples`` goes to, as the planner deals: the one furthest behind
-    its share of the samples dealt (``dealt``, updated)."""
-    total = sum(dealt) + samples
-    part = max(range(len(shares)), key=lambda i: shares[i] * total - dealt[i])
-    dealt[part] += samples
-    return part
 
 
 def timed_for(key: PlanKey, at_least: int) -> int:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
@@ -607,10 +607,7 @@ class OnlinePlanner:
             self.explore_left -= samples
             chosen, plan_key = candidate, single(candidate).key
         else:
-            # Each batch goes to the part furthest behind its share of the samples dealt.
-            total = sum(self._dealt) + samples
-            part = max(range(len(self.plan.parts)), key=lambda i: self.plan.shares[i] * total - self._dealt[i])
-            self._dealt[part] += samples
+            part = deal(self.plan.shares, self._dealt, samples)
             chosen, plan_key = self.plan.parts[part], self.plan.key
         if training:
             self._training_picks.append((plan_key, chosen.split))
@@ -784,6 +781,15 @@ class OnlinePlanner:
         lines.append(f"plan: {plan.label}, model {plan.pace_ms:.2f} ms/sample"
                      + (f", measured {measured.pace_ms:.2f}" if measured and measured.paces else ""))
         return "\n".join(lines)
+
+
+def deal(shares: Sequence[float], dealt: list[float], samples: int) -> int:
+    """The part of a plan a batch of ``samples`` goes to: the one furthest behind its share of
+    the samples dealt (``dealt``, which this updates)."""
+    total = sum(dealt) + samples
+    part = max(range(len(shares)), key=lambda i: shares[i] * total - dealt[i])
+    dealt[part] += samples
+    return part
 
 
 def _link_rate(transfers: Iterable[tuple[float, float, int, float | None]]) -> float | None:

@@ -44,7 +44,6 @@ def test_overlap_quick_feeds_the_report(tmp_path) -> None:
     assert "## Against s3torchconnector" in report and "*No results yet.*" in report
 
 
-@pytest.mark.skipif(twohosts.available() is not None, reason=f"two emulated hosts: {twohosts.available()}")
 def test_a_window_of_a_mix_holds_the_mix_s_shares_of_its_batches() -> None:
     # Ten batches of a 58/42 mix hold 6 and 4 whatever the deal: the window grows until
     # its batches hold the shares, and the deal restarts where the clock does.
@@ -57,6 +56,7 @@ def test_a_window_of_a_mix_holds_the_mix_s_shares_of_its_batches() -> None:
     assert split_sweep.timed_for((((9, "float32"), 1.0),), 10) == 10
 
 
+@pytest.mark.skipif(twohosts.available() is not None, reason=f"two emulated hosts: {twohosts.available()}")
 def test_split_sweep_runs_on_two_emulated_hosts_and_feeds_the_report(tmp_path) -> None:
     results = tmp_path / "results"
     out = _run("experiments.split_sweep", "--quick", "--models", "resnet18", "--bandwidths", "20",
