@@ -33,6 +33,28 @@ BACKOFF_S = (1.0, 30.0)
 HEDGE_MULTIPLE = 4.0
 HEDGE_FLOOR_S = 2.0
 PACE_WINDOW = 8  # recent requests per (split, dtype) that set the deadline
+READ_CHUNK = 64 * 1024  # bytes of a body read at once: 50 ms of a 10 Mbit/s link, well under a reply's time
+
+
+class LinkMeter:
+    """The bytes this process has received from the storage tier, counted as they arrive
+    by every reader at once. Replies share the link: what it carried while one reply was
+    on it is what the meter gained meanwhile, the bytes of the replies beside it included."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes += nbytes
+
+    @property
+    def total(self) -> int:
+        return self._bytes
+
+
+RECEIVED = LinkMeter()  # one per process: its readers all share its network
 
 
 class StorageNodeError(RuntimeError):
@@ -56,6 +78,7 @@ class Extracted:
     body_started: float  # perf_counter when the response headers arrived
     body_s: float  # from the response headers to its last byte: the body's time on the link
     tail_started: float  # perf_counter once the first half of the body had been read
+    link_bytes: int  # bytes the process received while the body was read, its own included
 
 
 class Breaker:
@@ -218,7 +241,7 @@ class StorageClient:
             except requests.RequestException as exc:
                 raise StorageNodeError(self.url, None, "unreachable", f"unreachable ({type(exc).__name__})") from None
             self._raise_for_error(response)
-            started = time.perf_counter()
+            started, received = time.perf_counter(), RECEIVED.total
             try:
                 blob, tail_started = _read_body(response)
                 body_s = time.perf_counter() - started
@@ -231,7 +254,8 @@ class StorageClient:
         features, keys, metadata = decode_features(blob)
         if keys != request.keys:
             raise StorageNodeError(self.url, response.status_code, "bad_response", "features for other keys")
-        return Extracted(features, keys, metadata, len(blob), started, body_s, tail_started)
+        return Extracted(features, keys, metadata, len(blob), started, body_s, tail_started,
+                         RECEIVED.total - received)
 
 
 def _session(retry: Retry, pool_size: int, token: str | None) -> requests.Session:
@@ -244,12 +268,14 @@ def _session(retry: Retry, pool_size: int, token: str | None) -> requests.Sessio
 
 
 def _read_body(response: requests.Response) -> tuple[bytearray, float]:
-    """The body in a writable buffer, read straight from the socket (no extra copy), and
-    when its first half had been read: the second half's pace is the link's, where the
-    first may have come faster than it (a shaper's burst, buffers filled while it was idle)."""
+    """The body in one writable buffer, and when its first half had been read: the second
+    half's pace is the link's, where the first may have come faster than it (a shaper's
+    burst, buffers filled while it was idle)."""
     length = response.headers.get("Content-Length")
     if length is None:
-        return bytearray(response.content), time.perf_counter()
+        content = response.content
+        RECEIVED.add(len(content))
+        return bytearray(content), time.perf_counter()
     buffer = bytearray(int(length))
     view, half = memoryview(buffer), len(buffer) // 2
     _fill(response, view, 0, half)
@@ -259,11 +285,14 @@ def _read_body(response: requests.Response) -> tuple[bytearray, float]:
 
 
 def _fill(response: requests.Response, view: memoryview, start: int, end: int) -> None:
-    """Read the body's bytes [start, end) into ``view``."""
+    """Read the body's bytes [start, end) into ``view``, a chunk at a time: urllib3 returns
+    from a read only once all the bytes asked for have arrived, and the link meter counts
+    them as they do."""
     while start < end:
-        got = response.raw.readinto(view[start:end])
+        got = response.raw.readinto(view[start:min(start + READ_CHUNK, end)])
         if not got:
             raise requests.ConnectionError(f"body ended after {start} of {len(view)} bytes")
+        RECEIVED.add(got)
         start += got
 
 

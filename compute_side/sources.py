@@ -21,11 +21,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from compute_side.client import Extracted, StorageClient, StorageNodeError, hedge_deadline_s
+from compute_side.client import RECEIVED, Extracted, StorageClient, StorageNodeError, hedge_deadline_s
 from hapi.datasets import Sample, read_samples
 from hapi.models import StagedModel
 from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner, Reply
-from hapi.store import ObjectStore
+from hapi.store import ObjectStore, SizeCheck
 from hapi.transforms import TransformSpec, decode_crops, normalize, preprocess
 from hapi.wire import IMAGE_WIRE_DTYPES, WIRE_DTYPES, ExtractRequest
 
@@ -44,6 +44,7 @@ class Part:
     link_interval: tuple[float, float]  # perf_counter times its bytes were on the link
     timings: dict[str, float] = field(default_factory=dict)  # where the source's time went, in ms
     tail_started: float | None = None  # perf_counter once the first half of its bytes had arrived
+    link_bytes: int | None = None  # bytes the process received meanwhile, its own included (client.LinkMeter)
 
 
 class PushdownSource:
@@ -139,7 +140,7 @@ class PushdownSource:
             features = normalize(features, request.transform, self.decode_device)
         return Part(features, request.split, request.dtype, extracted.wire_bytes,
                     (time.perf_counter() - started) * 1e3, body, dict(extracted.metadata.get("timings", {})),
-                    extracted.tail_started)
+                    extracted.tail_started, extracted.link_bytes)
 
     def _no_node_answers(self, request: ExtractRequest, samples: Sequence[Sample], started: float,
                          failure: StorageNodeError | None) -> Part:
@@ -266,9 +267,9 @@ class RawObjectSource:
     def fetch(self, samples: Sequence[Sample], epoch: int, order: int = 0) -> Part:
         """``order``: the store serves reads as they come."""
         keys = [s.key for s in samples]
-        started = time.perf_counter()
-        blobs = read_samples(self.store, keys, self.pool)
-        fetched = time.perf_counter()
+        started, received = time.perf_counter(), RECEIVED.total
+        blobs = read_samples(_Metered(self.store), keys, self.pool)
+        fetched, link_bytes = time.perf_counter(), RECEIVED.total - received
         if self.decode_device.type == "cuda":
             crops = decode_crops(blobs, keys, self.transform, epoch, self.decode_device)
             features = normalize(crops, self.transform)
@@ -278,7 +279,19 @@ class RawObjectSource:
         elapsed_ms = (time.perf_counter() - started) * 1e3
         timings = {"fetch_ms": (fetched - started) * 1e3, "decode_ms": elapsed_ms - (fetched - started) * 1e3}
         return Part(features, ALL_IN_COMPUTE, "float32", sum(len(b) for b in blobs), elapsed_ms,
-                    (started, fetched), timings)
+                    (started, fetched), timings, link_bytes=link_bytes)
+
+
+class _Metered:
+    """``store``, its reads counted on the link meter as each object arrives."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+
+    def get(self, key: str, max_bytes: int | None = None, on_size: SizeCheck | None = None) -> bytes:
+        data = self.store.get(key, max_bytes=max_bytes, on_size=on_size)
+        RECEIVED.add(len(data))
+        return data
 
 
 FeatureSource = PushdownSource | RawObjectSource
@@ -343,12 +356,14 @@ class Planned:
     def arrived(self, part: Part, samples: int) -> None:
         if "local_forward_ms" in part.timings:
             return  # computed here, with no node answering: it tells nothing of the link or a node
-        # The link's share of a request is all its time but the node's own work: the request
-        # and the reply's headers, too, cross the link, and a short reply's body alone is
-        # read at the rate of a shaper's burst or of an unthrottled first window.
+        # The link's share of a request alone on it is all its time but the node's own work:
+        # the request and the reply's headers, too, cross the link, and a short reply's body
+        # alone is read at the rate of a shaper's burst or of an unthrottled first window.
+        # A reply sharing the link is read over its body, while the meter counted the link's bytes.
         start, end = part.link_interval
-        if part.split != ALL_IN_COMPUTE:
+        shared = part.link_bytes is not None and part.link_bytes > part.wire_bytes
+        if part.split != ALL_IN_COMPUTE and not shared:
             node_ms = sum(part.timings.get(name, 0.0) for name in NODE_PHASES)
             start = min(start, end - max(part.elapsed_ms - node_ms, 0.0) / 1e3)
         self.planner.arrived(Reply(part.split, part.dtype, samples, part.wire_bytes, (start, end), part.timings,
-                                   part.tail_started))
+                                   part.tail_started, part.link_bytes))

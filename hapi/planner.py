@@ -316,6 +316,13 @@ class Reply:
     link_interval: tuple[float, float]  # perf_counter times it was on the link
     timings: dict[str, float]  # the node's own timings (pushdown) or the reads' (all-in-compute)
     tail_started: float | None = None  # perf_counter once the first half of its body had arrived
+    # Bytes the link carried while it was on it, its own and those of replies beside it
+    # (in flight or not); None: its own alone.
+    link_bytes: int | None = None
+
+
+# A reply's time on the link: (start, end, its bytes, when their second half began, the link's bytes meanwhile)
+Transfer = tuple[float, float, int, float | None, int | None]
 
 
 class OnlinePlanner:
@@ -370,8 +377,8 @@ class OnlinePlanner:
         self._explored: set[tuple[int, str]] = set()
         self._measured: dict[tuple, _Measured] = {}
         self._training_picks: deque[tuple[tuple, int]] = deque()  # (plan, split) of each training batch sent, in order
-        self._links: deque[tuple[float, float, int, float | None]] = deque(maxlen=RECENT)
-        self._links_by_reader: dict[str, deque[tuple[float, float, int, float | None]]] = {
+        self._links: deque[Transfer] = deque(maxlen=RECENT)
+        self._links_by_reader: dict[str, deque[Transfer]] = {
             reader: deque(maxlen=RECENT) for reader in READERS}
         self._readings: dict[str, float | None] = dict.fromkeys(READERS)  # the link as each kind reads it now
         self._node_scales: deque[float] = deque(maxlen=RECENT)
@@ -415,7 +422,7 @@ class OnlinePlanner:
     def arrived(self, reply: Reply) -> None:
         """Learn the link and the node from one reply."""
         self._arrived += reply.samples
-        transfer = (*reply.link_interval, reply.wire_bytes, reply.tail_started)
+        transfer = (*reply.link_interval, reply.wire_bytes, reply.tail_started, reply.link_bytes)
         self._links.append(transfer)
         reader = _reader(reply.split)
         self._links_by_reader[reader].append(transfer)
@@ -792,26 +799,27 @@ def deal(shares: Sequence[float], dealt: list[float], samples: int) -> int:
     return part
 
 
-def _link_rate(transfers: Iterable[tuple[float, float, int, float | None]]) -> float | None:
-    """Bytes/s while the link was busy: the bytes of ``transfers`` (start, end, bytes, and
-    when the second half of the bytes began, if known) over the union of their intervals,
-    so that replies sharing the link are not each read as the link's whole rate.
+def _link_rate(transfers: Iterable[Transfer]) -> float | None:
+    """Bytes/s while the link was busy: what it carried while each of ``transfers`` was on it
+    (start, end, its bytes, when the second half of them began if known, and the link's
+    bytes meanwhile if known), over their times. Each reply counts the bytes beside it,
+    those of replies still in flight included, so replies sharing the link are not each
+    read as the link's whole rate, nor one as a share of it.
 
     A reply alone on the link counts at the slower of its whole and its second half: a
     reply's head may ride a shaper's burst or buffers filled while the link was idle (its
     second half reads slower then), and a short one may fit in them whole (its second half
     reads faster). A reply sharing the link may read slower in its second half only because
     others joined, so it counts whole."""
-    spans = sorted(transfers, key=lambda t: t[:2])
-    busy, covered_to, total = 0.0, -math.inf, 0.0
-    for i, (start, end, nbytes, half) in enumerate(spans):
-        alone = covered_to <= start and (i + 1 == len(spans) or spans[i + 1][0] >= end)
+    carried, busy = 0.0, 0.0
+    for start, end, nbytes, half, link_bytes in transfers:
+        alone = link_bytes is None or link_bytes <= nbytes
         if alone and half is not None and start <= half < end:
-            nbytes = min(nbytes, (nbytes - nbytes // 2) * (end - start) / (end - half))
-        busy += max(end - max(start, covered_to), 0.0)
-        covered_to = max(covered_to, end)
-        total += nbytes
-    return total / busy if busy > 0 and total > 0 else None
+            carried += min(nbytes, (nbytes - nbytes // 2) * (end - start) / (end - half))
+        else:
+            carried += nbytes if alone else link_bytes
+        busy += end - start
+    return carried / busy if busy > 0 and carried > 0 else None
 
 
 def _reader(split: int) -> str:

@@ -82,7 +82,22 @@ def test_extract_round_trip(client: StorageClient, node: Node) -> None:
     assert extracted.features.nbytes < extracted.wire_bytes < extracted.features.nbytes + 1024
     assert 0 < extracted.body_s < 5  # the body's own time, after the node's work
     assert extracted.body_started <= extracted.tail_started <= extracted.body_started + extracted.body_s
+    assert extracted.link_bytes == extracted.wire_bytes  # alone on the link
     torch.testing.assert_close(extracted.features, _local_features(node.store, keys))
+
+
+def test_a_reply_counts_the_bytes_the_link_carried_beside_it(client: StorageClient, node: Node,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    fill = client_module._fill
+
+    def beside(response: requests.Response, view: memoryview, start: int, end: int) -> None:
+        fill(response, view, start, end)
+        client_module.RECEIVED.add(1000)  # another reply's bytes, read meanwhile by its own thread
+
+    monkeypatch.setattr(client_module, "_fill", beside)
+    extracted = client.extract(_request(node.keys(2)))
+    # Read in two halves, each beside 1000 bytes of the other reply.
+    assert extracted.link_bytes == extracted.wire_bytes + 2000
 
 
 def test_bfloat16_over_the_wire(client: StorageClient, node: Node) -> None:

@@ -148,10 +148,6 @@ def test_a_reply_alone_on_the_link_reads_at_the_slower_of_its_whole_and_its_seco
     assert rate(Reply(3, "float32", BATCH, 1_000_000, (0.0, 0.6), {}, 0.1)) == pytest.approx(1e6)
     # 10 KB that fitted in the burst whole: its second half alone reads faster still.
     assert rate(Reply(3, "float32", BATCH, 10_000, (1.0, 1.01), {}, 1.009)) == pytest.approx(1e6)
-    # Two replies sharing the link: the second half of each is slower only for the other's
-    # bytes beside it, so both count whole, over the union of their times.
-    assert rate(Reply(3, "float32", BATCH, 1_000_000, (0.0, 1.0), {}, 0.4),
-                Reply(3, "float32", BATCH, 1_000_000, (0.5, 1.5), {}, 1.2)) == pytest.approx(2e6 / 1.5)
 
 
 def test_the_scout_ships_what_the_safe_start_s_first_batch_would_and_goes_once() -> None:
@@ -298,12 +294,17 @@ def test_until_the_node_is_read_the_run_moves_where_the_model_s_near_best_leave_
     assert p.pick(BATCH).split == 2
 
 
-def test_the_link_is_read_over_the_time_it_was_busy_not_per_reply() -> None:
+def test_the_link_is_read_at_what_it_carried_beside_each_reply_not_per_reply() -> None:
     p = planner()
     p.pick(BATCH)
-    # Two replies of 64 KB that shared the link for the same 10 ms: 12.8 MB/s, not 6.4 each.
-    p.arrived(reply(3, BATCH, 0.0, 0.010, **node_timings(3, BATCH, 1.0)))
-    p.arrived(reply(3, BATCH, 0.0, 0.010, **node_timings(3, BATCH, 1.0)))
+    # Two replies of 64 KB that shared the link for the same 10 ms: 12.8 MB/s, not 6.4 each,
+    # and so already from the first, read while the other is still in flight: its reading
+    # counts the other's bytes, and its second half, slower for them, is no reading alone.
+    shared = replace(reply(3, BATCH, 0.0, 0.010, **node_timings(3, BATCH, 1.0)), tail_started=0.004,
+                     link_bytes=128_000)
+    p.arrived(shared)
+    assert p.conditions.bandwidth == pytest.approx(2 * 64_000 / 0.010)
+    p.arrived(shared)
     assert p.conditions.bandwidth == pytest.approx(2 * 64_000 / 0.010)
 
 

@@ -73,6 +73,7 @@ def test_raw_objects_give_the_inputs_the_daemon_would_compute(data, node) -> Non
     pushed = PushdownSource([node], _template(split=0)).fetch(samples[:6], epoch=0)
     assert torch.equal(raw.features, pushed.features)
     assert raw.wire_bytes == sum(s.size for s in samples[:6])  # raw objects cross the network
+    assert raw.link_bytes == raw.wire_bytes  # alone on the link: the meter counted its objects only
     assert pushed.wire_bytes > 3 * 32 * 32 * 4 * 6  # decoded float32 tensors are larger
 
 
@@ -206,3 +207,8 @@ def test_the_planner_hears_of_a_request_s_time_on_the_link_and_its_second_half()
     (reply,) = planner.replies
     # All the request's time but the node's own work: from 650 ms before the body's end.
     assert reply.link_interval == pytest.approx((-0.05, 0.6)) and reply.tail_started == 0.3
+    # A reply that shared the link is read over its body, while the meter counted the link's bytes.
+    Planned(planner, sources=None).arrived(Part(torch.zeros(1), 4, "float32", 1_000_000, elapsed_ms=700.0,
+                                                link_interval=(0.1, 0.6), timings={"forward_ms": 50.0},
+                                                tail_started=0.3, link_bytes=1_500_000), 1)
+    assert planner.replies[-1].link_interval == (0.1, 0.6) and planner.replies[-1].link_bytes == 1_500_000
