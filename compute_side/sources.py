@@ -360,10 +360,10 @@ class Planned:
         # the request and the reply's headers, too, cross the link, and a short reply's body
         # alone is read at the rate of a shaper's burst or of an unthrottled first window.
         # A reply sharing the link is read over its body, while the meter counted the link's bytes.
-        start, end = part.link_interval
-        shared = part.link_bytes is not None and part.link_bytes > part.wire_bytes
-        if part.split != ALL_IN_COMPUTE and not shared:
+        reply = Reply(part.split, part.dtype, samples, part.wire_bytes, part.link_interval, part.timings,
+                      part.tail_started, part.link_bytes)
+        if part.split != ALL_IN_COMPUTE and reply.alone:
+            start, end = part.link_interval
             node_ms = sum(part.timings.get(name, 0.0) for name in NODE_PHASES)
-            start = min(start, end - max(part.elapsed_ms - node_ms, 0.0) / 1e3)
-        self.planner.arrived(Reply(part.split, part.dtype, samples, part.wire_bytes, (start, end), part.timings,
-                                   part.tail_started, part.link_bytes))
+            reply = replace(reply, link_interval=(min(start, end - max(part.elapsed_ms - node_ms, 0.0) / 1e3), end))
+        self.planner.arrived(reply)

@@ -320,9 +320,10 @@ class Reply:
     # (in flight or not); None: its own alone.
     link_bytes: int | None = None
 
-
-# A reply's time on the link: (start, end, its bytes, when their second half began, the link's bytes meanwhile)
-Transfer = tuple[float, float, int, float | None, int | None]
+    @property
+    def alone(self) -> bool:
+        """Whether it had the link to itself: the link carried its own bytes only."""
+        return self.link_bytes is None or self.link_bytes <= self.wire_bytes
 
 
 class OnlinePlanner:
@@ -377,8 +378,8 @@ class OnlinePlanner:
         self._explored: set[tuple[int, str]] = set()
         self._measured: dict[tuple, _Measured] = {}
         self._training_picks: deque[tuple[tuple, int]] = deque()  # (plan, split) of each training batch sent, in order
-        self._links: deque[Transfer] = deque(maxlen=RECENT)
-        self._links_by_reader: dict[str, deque[Transfer]] = {
+        self._links: deque[Reply] = deque(maxlen=RECENT)
+        self._links_by_reader: dict[str, deque[Reply]] = {
             reader: deque(maxlen=RECENT) for reader in READERS}
         self._readings: dict[str, float | None] = dict.fromkeys(READERS)  # the link as each kind reads it now
         self._node_scales: deque[float] = deque(maxlen=RECENT)
@@ -422,10 +423,9 @@ class OnlinePlanner:
     def arrived(self, reply: Reply) -> None:
         """Learn the link and the node from one reply."""
         self._arrived += reply.samples
-        transfer = (*reply.link_interval, reply.wire_bytes, reply.tail_started, reply.link_bytes)
-        self._links.append(transfer)
+        self._links.append(reply)
         reader = _reader(reply.split)
-        self._links_by_reader[reader].append(transfer)
+        self._links_by_reader[reader].append(reply)
         self._readings = {**self._readings, reader: _link_rate(self._links_by_reader[reader])}
         bandwidth = _link_rate(self._links)
         # The node's pace is read from batches after its first at a split, which pays its
@@ -799,12 +799,11 @@ def deal(shares: Sequence[float], dealt: list[float], samples: int) -> int:
     return part
 
 
-def _link_rate(transfers: Iterable[Transfer]) -> float | None:
-    """Bytes/s while the link was busy: what it carried while each of ``transfers`` was on it
-    (start, end, its bytes, when the second half of them began if known, and the link's
-    bytes meanwhile if known), over their times. Each reply counts the bytes beside it,
-    those of replies still in flight included, so replies sharing the link are not each
-    read as the link's whole rate, nor one as a share of it.
+def _link_rate(replies: Iterable[Reply]) -> float | None:
+    """Bytes/s while the link was busy: what it carried while each of ``replies`` was on it
+    (``Reply.link_bytes``) over their times. Each reply counts the bytes beside it, those of
+    replies still in flight included, so replies sharing the link are not each read as the
+    link's whole rate, nor one as a share of it.
 
     A reply alone on the link counts at the slower of its whole and its second half: a
     reply's head may ride a shaper's burst or buffers filled while the link was idle (its
@@ -812,12 +811,12 @@ def _link_rate(transfers: Iterable[Transfer]) -> float | None:
     reads faster). A reply sharing the link may read slower in its second half only because
     others joined, so it counts whole."""
     carried, busy = 0.0, 0.0
-    for start, end, nbytes, half, link_bytes in transfers:
-        alone = link_bytes is None or link_bytes <= nbytes
-        if alone and half is not None and start <= half < end:
+    for r in replies:
+        (start, end), nbytes, half = r.link_interval, r.wire_bytes, r.tail_started
+        if r.alone and half is not None and start <= half < end:
             carried += min(nbytes, (nbytes - nbytes // 2) * (end - start) / (end - half))
         else:
-            carried += nbytes if alone else link_bytes
+            carried += nbytes if r.alone else r.link_bytes
         busy += end - start
     return carried / busy if busy > 0 and carried > 0 else None
 
