@@ -68,7 +68,30 @@ def _ratio(slow: dict, fast: dict) -> str:
 
 
 def _where(row: dict) -> str:
+    if " + " in row["candidate"]:  # a mix: its parts, without their dtypes
+        return " + ".join(" ".join(part.split()[:3]) if "split" in part else part
+                          for part in row["candidate"].split(" + "))
     return "all-in-compute" if row["split"] == ALL_IN_COMPUTE else f"split {row['split']}"
+
+
+def _bytes_per_sample(row: dict, case: list[dict]) -> float | None:
+    """What a candidate moves per sample: a mix's is its parts' bytes weighted by their shares
+    (its own row carries none); None where a part's bytes are unknown."""
+    if " + " not in row["candidate"]:
+        return float(row["bytes_per_sample"]) or None
+    singles = {r["candidate"]: float(r["bytes_per_sample"]) for r in case}
+    total = 0.0
+    for part in row["candidate"].split(" + "):
+        share, _, label = part.partition("% ")
+        if not singles.get(label):
+            return None
+        total += float(share) / 100 * singles[label]
+    return total
+
+
+def _kb(row: dict, case: list[dict]) -> str:
+    moved = _bytes_per_sample(row, case)
+    return f"{'?' if moved is None else f'{moved / 1e3:.1f}'} KB ({_where(row)})"
 
 
 def judge(rows: list[dict]) -> dict[tuple[str, int, float], dict]:
@@ -87,7 +110,7 @@ def judge(rows: list[dict]) -> dict[tuple[str, int, float], dict]:
         per_case[key] = {"chosen": v.chosen, "best": v.best, "batch": key[1], "regret": v.regret,
                          "baseline": next(r for r in singles if r["split"] == ALL_IN_COMPUTE),
                          "freeze": max(known, key=lambda r: int(r["split"])),
-                         "within": v.within, "within_by_selection": v.within_by_selection}
+                         "within": v.within, "within_by_selection": v.within_by_selection, "rows": case}
     return per_case
 
 
@@ -143,9 +166,7 @@ def sweep_section(rows: list[dict], folder: Path) -> list[str]:
         bytes_rows.append({"model": f"{model}, batch {batch}", "raw KB/sample": f"{raw / 1e3:.1f}",
                            "freeze KB/sample": f"{float(full['freeze']['bytes_per_sample']) / 1e3:.1f}",
                            "raw / freeze": f"{raw / float(full['freeze']['bytes_per_sample']):.1f}x",
-                           **{f"auto at {bw:g} Mbit/s": f"{float(c['chosen']['bytes_per_sample']) / 1e3:.1f} KB "
-                                                         f"({_where(c['chosen'])})"
-                              for bw, c in zip(bws, mine)}})
+                           **{f"auto at {bw:g} Mbit/s": _kb(c["chosen"], c["rows"]) for bw, c in zip(bws, mine)}})
     axes[0][0].set_ylabel("samples/s")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
