@@ -107,6 +107,18 @@ class Settings:
     def samples_for(self, epochs: int) -> int:
         return self.samples if epochs == 1 else self.samples_multi
 
+    @property
+    def command(self) -> str:
+        """The command that measures the same cases, every setting spelled out."""
+        def joined(values: tuple) -> str:
+            return ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in values)
+        return (f"sudo python -m experiments.head_to_head --models {joined(self.models)} "
+                f"--bandwidths {joined(self.bandwidths)} --samples {self.samples} --samples-multi {self.samples_multi} "
+                f"--epochs-list {joined(self.epochs_list)} --repeats {self.repeats} --workers {joined(self.workers)} "
+                f"--image-size {self.image_size} --batch-size {self.batch_size} --val-per-class {self.val_per_class} "
+                f"--max-fixed {self.max_fixed} --give-up {self.give_up:g} --cache {self.cache}"
+                + (" --uncached" if self.uncached else ""))
+
 
 @dataclass(frozen=True)
 class Case:
@@ -501,6 +513,7 @@ def write_results(out: Path, runs: Sequence[Run], verdicts: Sequence[Verdict], s
         writer.writerow(TABLE_HEADERS)
         writer.writerows(rows)
     text = (f"# HAPI vs s3torchconnector: whole-command wall time\n\n"
+            f"Command: `{settings.command}`\n\n"
             f"{len(settings.models)} model(s) at {settings.image_size} px, batch {settings.batch_size}, "
             f"{settings.val_per_class * 10} validation samples after every epoch; job = epochs x training samples "
             f"per epoch; median of {settings.repeats} "

@@ -333,17 +333,14 @@ def heldout_section(rows: list[dict], paper_rows: list[dict]) -> list[str]:
 
 
 def head_to_head_section(path: Path) -> list[str]:
-    out = ["## Against s3torchconnector: whole-command wall time", "",
-           "Command: `sudo python -m experiments.head_to_head --workers 0,2 --max-fixed 3`", ""]
+    """The case table, then the cases re-run with --repeats (a single run's miss checked
+    against its noise), one folder each; every table names the command that measured it."""
+    out = ["## Against s3torchconnector: whole-command wall time", ""]
     if not path.exists():
-        return out + ["*No results yet.*", ""]
+        return out + ["Command: `sudo python -m experiments.head_to_head`", "", "*No results yet.*", ""]
     out += [_without_title(path), ""]
-    # Cases re-run with --repeats (a single run's miss checked against its noise), one folder each.
     for again in sorted(path.parent.glob("*/table.md")):
-        command = again.parent / "command.txt"
-        out += [f"### Re-run: {again.parent.name}", "",
-                f"Command: `{command.read_text().strip()}`" if command.exists() else "Command: not recorded", "",
-                _without_title(again), ""]
+        out += [f"### Re-run: {again.parent.name}", "", _without_title(again), ""]
     return out
 
 

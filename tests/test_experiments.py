@@ -24,7 +24,6 @@ split 9 float32        layer2.3                 16.4     20.00     13.10     11.
     assert table["split 9 float32"]["measured_ms"] is None and table["split 9 float32"]["bottleneck"] == "storage"
 
 
-
 def test_the_report_prices_a_mix_at_its_parts_bytes_by_their_shares() -> None:
     case = [{"candidate": "split 0 uint8", "split": "0", "bytes_per_sample": "37600"},
             {"candidate": "split 21 float32", "split": "21", "bytes_per_sample": "8200"},
@@ -33,6 +32,7 @@ def test_the_report_prices_a_mix_at_its_parts_bytes_by_their_shares() -> None:
     assert report._kb(case[2], case) == "25.8 KB (60% split 0 + 40% split 21)"  # 0.6 * 37.6 + 0.4 * 8.2
     assert report._kb(case[3], case) == "? KB (50% split 0 + 50% split 9)"  # split 9's bytes unknown
     assert report._kb(case[1], case) == "8.2 KB (split 21)"
+
 
 def _run(*args: str) -> str:
     done = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=600)

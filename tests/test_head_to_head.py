@@ -16,6 +16,7 @@ from experiments.head_to_head import (
     closing_line,
     format_table,
     judge,
+    parse_args,
     table_rows,
     trained_split,
 )
@@ -126,3 +127,11 @@ def test_trained_split_is_where_most_samples_trained(tmp_path) -> None:
     assert trained_split(tmp_path, "") == 22  # a late re-plan does not make split 0 the mode
     text = "HAPI: resnet50, split 22/23: storage runs up to 'flatten'\nre-planned: now all-in-compute: raw objects"
     assert trained_split(tmp_path / "none", text) == ALL_IN_COMPUTE
+
+
+def test_a_table_s_command_measures_the_same_cases_again() -> None:
+    settings = parse_args(["--models", "resnet18", "--bandwidths", "25,12.5", "--repeats", "3", "--workers", "2",
+                           "--max-fixed", "2", "--uncached"])
+    argv = settings.command.split()[4:]  # after "sudo python -m experiments.head_to_head"
+    assert parse_args(argv) == settings
+    assert parse_args([]).command.endswith("--max-fixed 5 --give-up 1.5 --cache fresh")
