@@ -209,6 +209,10 @@ class StorageClient:
         """What the node runs at once: its cores, compute slots, decoders, device (``GET /v1/models``)."""
         return self._json("GET", "/v1/models")["node"]
 
+    def loaded(self) -> list[dict]:
+        """The prefixes the node holds: each one's model, memory and pass layout (``GET /v1/models``)."""
+        return self._json("GET", "/v1/models")["loaded"]
+
     def profile(self, request: ProfileRequest) -> dict:
         """The node's own timings of each frozen stage (``POST /v1/profile``)."""
         return self._json("POST", "/v1/profile", json=request.to_json())

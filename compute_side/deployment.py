@@ -55,6 +55,7 @@ def storage_nodes(args: argparse.Namespace, store_url: str) -> Iterator[list[Sto
             client.health()  # a dead node fails here, before any work
         yield clients
         return
-    extra = ("--endpoint-url", args.endpoint_url) if args.endpoint_url else ()
+    extra = ("--state-dir", str(args.cache_dir / "node"),
+             *(("--endpoint-url", args.endpoint_url) if args.endpoint_url else ()))
     with local_daemon(store_url, args.cache_dir / "storage-daemon.log", extra) as url:
         yield [StorageClient(url)]

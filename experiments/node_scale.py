@@ -141,9 +141,19 @@ Cells = Sequence[tuple[int, int]]  # (split, clients)
 
 
 def daemon_args(setup: Setup, cores: int, dtype: str) -> tuple[str, ...]:
+    # Its own state directory: each daemon times its pass layout afresh, in its clients' warm-up.
+    state = setup.logs / f"state-{cores}c-{dtype}"
     return ("--cores", str(cores), "--compute-dtype", dtype, "--max-sub-batch", str(setup.batch),
             "--queue-timeout", "900",  # queueing is expected here, not a fault
-            *(arg.format(cores=cores) for arg in setup.daemon_args))
+            "--state-dir", str(state), *(arg.format(cores=cores) for arg in setup.daemon_args))
+
+
+def layouts(url: str) -> str:
+    """The pass layouts the daemon at ``url`` measured: passes at once, and samples/s of each."""
+    loaded = StorageClient(url).loaded()
+    return "; ".join(f"{m['model']} at {m['input_size']} px: {m['pass_layout']['slots']} passes at once "
+                     f"(samples/s by passes at once: {m['pass_layout']['samples_per_s']})"
+                     for m in loaded if "pass_layout" in m) or "none measured"
 
 
 def daemon_rates(setup: Setup, cores: int, dtype: str, cells: Cells) -> dict[tuple[int, int], float]:
@@ -155,6 +165,7 @@ def daemon_rates(setup: Setup, cores: int, dtype: str, cells: Cells) -> dict[tup
             rates[split, clients] = drive(url, setup, clients, split).rate
             print(f"  cores {cores} {dtype:8s} split {split:2d} clients {clients:2d}: "
                   f"{rates[split, clients]:8.1f} samples/s", flush=True)
+        print(f"  its pass layout: {layouts(url)}", flush=True)
     return rates
 
 
@@ -292,6 +303,8 @@ def scaling(setup: Setup, cores: Sequence[int], clients: int, rounds: int, blobs
                     print(f"  daemon --cores {c} split {split:2d}: {load.rate:8.1f} samples/s "
                           f"(its clients kept {load.client_cores:.2f} cores busy); "
                           f"bare: {rates['bare', c, split][-1]:8.1f}", flush=True)
+        for c in cores:
+            print(f"  daemon --cores {c}'s pass layout: {layouts(urls[c])}", flush=True)
     low, high = cores[0], cores[-1]
     print(f"\n{setup.model} at {setup.spec.crop_size} px, {setup.batch}-sample requests, {clients} clients, "
           f"float32; samples/s, the median of {rounds} windows of {setup.seconds:g} s each; bare: the same work "

@@ -52,22 +52,18 @@ from compute_side.feature_cache import DEFAULT_MAX_BYTES, CacheScope, FeatureCac
 from compute_side.loader import Batch, PipelinedLoader, batches_of, epoch_order
 from compute_side.sources import Planned, Sources
 from hapi.datasets import Sample
-from hapi.measure import host_name, host_profile, step_ratio
+from hapi.measure import cache_dir, host_name, host_profile, step_ratio
 from hapi.models import StagedModel, build_model
 from hapi.planner import ALL_IN_COMPUTE, OnlinePlanner
 from hapi.store import open_store
 from hapi.transforms import TransformSpec
-from hapi.wire import ExtractRequest, wire_dtype, wire_dtype_allowed
+from hapi.wire import ExtractRequest, layout_key, wire_dtype, wire_dtype_allowed
 
 DEFAULT_DEPTH = 4  # requests in flight; see the overlap benchmark in experiments/overlap.py
 
 # Why a run with --augment keeps no training features, in one place for the CLI and the API.
 AUGMENT_NOTE = ("feature cache: training features are not kept: --augment crops and flips every sample anew "
                 "each epoch, so no epoch's features serve another (validation's, never augmented, are kept)")
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("HAPI_CACHE", Path.home() / ".cache" / "hapi"))
 
 
 @dataclass(frozen=True)
@@ -98,7 +94,7 @@ class DataConfig:
     dataset: str = "synthetic"  # the embedded data set without a store
     endpoint_url: str | None = None
     storage_nodes: tuple[str, ...] = ()
-    cache_dir: Path = field(default_factory=default_cache_dir)
+    cache_dir: Path = field(default_factory=cache_dir)
     train_per_class: int = 96  # the embedded synthetic set's size
     val_per_class: int = 24
 
@@ -240,6 +236,7 @@ class Pipeline:
         ratio = step_ratio(self.model, profile, device) if profile.host != host_name(device) else None
         # Rank 0 plans its own slices: the planner sees one rank's batches and samples.
         ranks = self.world.size if self.world else 1
+        in_flight = max(c.depth, 1) * ranks
         batch = -(-c.batch_size // ranks)
         requests_per_batch = -(-batch // c.request_size)
         # After the first epoch the feature cache serves validation, and training too
@@ -251,7 +248,8 @@ class Pipeline:
         sent = epochs * (len(self.train_samples) + len(self.val_samples)) - cached
         train_sent = epochs * len(self.train_samples) - cached_train
         return OnlinePlanner(profile, self.model.spec.freeze_index, batch, -(-sent // ranks),
-                             node_passes=max(1, node_passes(clients, max(c.depth, 1) * ranks) // ranks),
+                             node_passes=max(1, node_passes(clients, in_flight) // ranks),
+                             prefix_passes=max(1, node_passes(clients, in_flight, layout_key(c.model, crop)) // ranks),
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
                              dtypes=tuple(dict.fromkeys((*(c.dtypes or (c.dtype,)), wire_dtype(0, c.dtype)))),
                              batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
@@ -337,16 +335,21 @@ class Pipeline:
         return self._loaders
 
 
-def node_passes(clients: list[StorageClient], in_flight: int) -> int:
+def node_passes(clients: list[StorageClient], in_flight: int, prefix: str | None = None) -> int:
     """How many of ``in_flight`` requests, spread round-robin, the nodes run at once: each
-    node as many as it has compute slots (as it reports them; one where it does not say)."""
+    node as many as it has compute slots (as it reports them; one where it does not say);
+    for ``prefix`` (a ``layout_key``), no more than it measured that prefix to run fastest
+    at once, where it has."""
     per_node = -(-in_flight // max(len(clients), 1))
     passes = 0
     for client in clients:
         try:
-            slots = int(client.capacity().get("compute_slots", 1))
+            capacity = client.capacity()
         except StorageNodeError:  # a node that cannot say is priced as running one at a time
-            slots = 1
+            capacity = {}
+        slots = int(capacity.get("compute_slots", 1))
+        if prefix is not None:
+            slots = min(slots, int(capacity.get("pass_layouts", {}).get(prefix, slots)))
         passes += min(slots, per_node)
     return max(1, min(passes, in_flight))
 

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import json
 import logging
+import os
 import platform
 import re
 import statistics
@@ -58,20 +59,28 @@ class HostProfile:
                       "forward_ms": tuple(body["forward_ms"])})
 
 
+def cache_dir() -> Path:
+    """Where this host keeps what HAPI measured and made of it: $HAPI_CACHE, or ~/.cache/hapi."""
+    return Path(os.environ.get("HAPI_CACHE", Path.home() / ".cache" / "hapi"))
+
+
 def host_name(device: torch.device = CPU) -> str:
     """A hardware key for saved profiles: the GPU's name, or the CPU model and the threads
     torch uses."""
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} cuda bf16"
-    cpu = platform.processor() or platform.machine()
+    return f"{cpu_name()} x{torch.get_num_threads()}"
+
+
+def cpu_name() -> str:
+    """This host's CPU model, as the kernel names it."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{cpu} x{torch.get_num_threads()}"
+    return platform.processor() or platform.machine()
 
 
 def profile_path(directory: Path, host: str, model: str, input_size: int) -> Path:

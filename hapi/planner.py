@@ -18,7 +18,7 @@ and what it may lose where the prices it rests on err.
 The cost model, per sample (a candidate is a split s, stages [0, s) on the storage node,
 or all-in-compute, which ships the raw objects):
 
-    storage(s)  = (node_fixed + node_scale x forward[0, s)) / node_passes + node_unseen
+    storage(s)  = node_fixed / node_passes + node_scale x forward[0, s) / prefix_passes + node_unseen
                   (all-in-compute: node_shared / node_passes + node_unseen, the store's serving)
     transfer(s) = bytes of stage s-1's output / bandwidth        (all-in-compute: the objects)
     compute(s)  = compute_scale x (forward[s, freeze) + train)    (all-in-compute: + decode)
@@ -39,10 +39,11 @@ stage, so what a run measures beyond the model's bottleneck is charged to a tier
 calibrate (see ``_charge_unseen``): to the node as a cost per sample its timings leave out
 (``node_unseen``: HTTP, the link's interrupts), to this tier as a further factor on its
 work (the loader's threads and the GIL beside the training step, all-in-compute's decode).
-A request's node time is its own wall time, so the nodes' pace divides it by
-``node_passes``: how many of the run's requests in flight the nodes run at once, from the
-compute slots each node reports (its forward passes at once; where they share the node's
-cores, each request's measured time already shows it).
+A request's node time is its own wall time, so the nodes' pace divides it by how many
+of the run's requests in flight the nodes run at once: ``node_passes``, from the compute
+slots each node reports, for its decode; ``prefix_passes``, from the passes of this model
+each node measured to run fastest at once (its pass layout), for the prefix. Where passes
+share a node's cores, each request's measured time already shows it.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class Conditions:
     node_unseen_ms: float = 0.0  # per sample, the node's cost its timings leave out
     node_shared_ms: float = 0.0  # per sample, other processes' CPU on the node's cores (a store beside it)
     node_passes: int = 1  # the run's requests the nodes run at once (their compute slots, within those in flight)
+    prefix_passes: int | None = None  # of those, the prefix passes at once (the nodes' layouts); None: node_passes
     compute_scale: float = 1.0  # this tier's cost in training / the profile's
 
 
@@ -146,8 +148,9 @@ def price(profile: HostProfile, freeze: int, conditions: Conditions, split: int,
         per_sample = elements * WIRE_DTYPES[dtype].itemsize
         fixed = profile.decode_ms if conditions.node_fixed_ms is None else conditions.node_fixed_ms
         node_forward = conditions.node_forward_ms or forward
-        per_request_ms = fixed + conditions.node_scale * sum(node_forward[:split])
-        storage_ms = per_request_ms / conditions.node_passes + conditions.node_unseen_ms
+        prefix_ms = conditions.node_scale * sum(node_forward[:split])
+        storage_ms = (fixed / conditions.node_passes + prefix_ms / (conditions.prefix_passes or conditions.node_passes)
+                      + conditions.node_unseen_ms)
     compute_ms = conditions.compute_scale * work_ms
     transfer_ms = per_sample / bandwidth * 1e3
     stages = (storage_ms, transfer_ms, compute_ms)
@@ -341,22 +344,24 @@ class OnlinePlanner:
                  dtypes: tuple[str, ...] = ("float32",), batches_in_flight: int = 1,
                  compute_memory_budget: float = math.inf, node_profile: HostProfile | None = None,
                  cached_samples: int = 0, node_passes: int = 1, step_ratio: Future[float] | None = None,
-                 passes: int = 0, train_samples: int | None = None) -> None:
+                 passes: int = 0, train_samples: int | None = None, prefix_passes: int | None = None) -> None:
         """``profile``: this host's, or another's of its kind with ``step_ratio``: this host's
         prefix and step against the profile's, being timed (the first move waits for it);
         ``node_profile``: the storage node's, where known (else the node is priced as this
         host until its replies say otherwise); ``run_samples``: the samples the run will
         send; ``cached_samples``: those of later epochs that a feature cache will serve
         instead (they cost this tier's work on them alone); ``node_passes``: the run's
-        requests the nodes run at once; ``passes``: its passes over batches that send
+        requests the nodes run at once, ``prefix_passes`` those whose prefix they run at
+        once (None: as many); ``passes``: its passes over batches that send
         requests (each epoch's training and validation, less those the cache serves);
         ``train_samples``: of ``run_samples``, those of training batches (default: all)."""
         self.profile, self.freeze, self.batch_size = profile, freeze, batch_size
         self.dtypes, self.memory_budget = dtypes, compute_memory_budget
         self.batches_in_flight = batches_in_flight
-        self.conditions = Conditions(raw_bytes, node_passes=node_passes) if node_profile is None else Conditions(
-            raw_bytes, node_forward_ms=node_profile.forward_ms, node_fixed_ms=node_profile.decode_ms,
-            node_passes=node_passes)
+        self.conditions = Conditions(raw_bytes, node_passes=node_passes, prefix_passes=prefix_passes)
+        if node_profile is not None:
+            self.conditions = replace(self.conditions, node_forward_ms=node_profile.forward_ms,
+                                      node_fixed_ms=node_profile.decode_ms)
         self._profile_fixed_ms = (node_profile or profile).decode_ms  # the node's work beside its prefix, unread
         self.run_samples = run_samples  # validation included
         self.remaining = run_samples  # samples the run has yet to send

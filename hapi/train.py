@@ -37,8 +37,9 @@ from compute_side.client import StorageNodeError
 from compute_side.distributed import World
 from compute_side.feature_cache import parse_size
 from compute_side.trainer import OPTIMIZERS, HeadTrainer, TrainConfig
-from hapi.data import DEFAULT_DEPTH, DataConfig, Pipeline, default_cache_dir
+from hapi.data import DEFAULT_DEPTH, DataConfig, Pipeline
 from hapi.datasets import DatasetNotFoundError
+from hapi.measure import cache_dir
 from hapi.models import MODELS, StagedModel
 from hapi.planner import ALL_IN_COMPUTE, Plan
 from hapi.store import MissingObjectError
@@ -86,7 +87,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, help="a checkpoint.pt to continue from, mid-epoch too")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="also checkpoint every N steps (always at each epoch's end and on SIGTERM)")
-    deployment.add_arguments(p, default_cache_dir())
+    deployment.add_arguments(p, cache_dir())
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 

@@ -43,6 +43,11 @@ def wire_dtype(split: int, dtype: str) -> str:
 
 
 # The schema nests three deep (request -> transform -> mean); anything deeper is not a request.
+def layout_key(model: str, input_size: int) -> str:
+    """How a node names a model at an input size in its pass layouts (``GET /v1/models``)."""
+    return f"{model} {input_size}px"
+
+
 MAX_JSON_DEPTH = 8
 # /v1/profile's own bounds: a handful of distinct batch sizes, a few timed runs each.
 MAX_PROFILE_BATCH_SIZES = 8

@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None) -> DaemonConfig:
     add("--cores", "cores", type=int, default=d.cores)
     add("--decode-workers", "decode_workers", type=int, default=d.decode_workers)
     add("--torch-threads", "torch_threads", type=int, default=d.torch_threads)
+    add("--state-dir", "state_dir", type=Path, default=d.state_dir)
     add("--compute-dtype", "compute_dtype", choices=("float32", "bfloat16"), default=d.compute_dtype)
     add("--device", "device", default=d.device)
     add("--memory-budget", "memory_budget", type=_size, default=d.memory_budget)

@@ -25,10 +25,11 @@ from storage_side.admission import Admission
 from storage_side.config import DaemonConfig
 from storage_side.errors import RequestError
 from storage_side.executor import Extractor, RequestStats
+from storage_side.layout import LayoutBook, PassLayouts
 from storage_side.memory import default_memory_budget, device_peak_bytes, device_work, process_rss_bytes
 from storage_side.metrics import Metrics
 from storage_side.parallel import ComputeTurns, Decoder, make_decoder
-from storage_side.prefix_cache import PrefixCache
+from storage_side.prefix_cache import LoadedPrefix, PrefixCache
 from storage_side.profile import profile_stages
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,9 @@ def parallel_capacity(config: DaemonConfig, decoder: Decoder, turns: ComputeTurn
                       device: torch.device) -> dict[str, object]:
     """What this node can run at once, for planners: its cores, forward passes and decoders,
     and the device its prefix runs on. ``threads_per_pass`` None: the cores are shared among
-    the passes running at once."""
+    the passes running at once. ``GET /v1/models`` adds ``pass_layouts``: the passes of each
+    prefix measured here that run at once (``storage_side.layout``), fewer than the slots
+    where that is faster."""
     return {"cores": config.core_count(), "compute_slots": turns.slots or config.core_count(),
             "threads_per_pass": config.torch_threads or None,
             "decode_workers": decoder.workers, "decode_in": decoder.kind, "device": str(device),
@@ -124,9 +127,12 @@ def create_app(config: DaemonConfig) -> Flask:
                  device, torch.cuda.get_device_name(device), gpu_capacity / 1e6)
     cache = PrefixCache(admission, config.weights_files, compute_dtype, device, device_admission)
     turns = ComputeTurns(config.compute_slots() if config.adapt else None, config.core_count(), config.torch_threads)
+    # The operator's --torch-threads fixes the layout; on a GPU one pass at a time keeps it busy.
+    layouts = (PassLayouts(LayoutBook(config.layouts_file()), turns, admission, config.max_sub_batch, compute_dtype)
+               if config.adapt and not config.torch_threads and device.type == "cpu" else None)
     extractor = Extractor(store, cache, admission, config.io_threads, decoder, turns, config.min_sub_batch,
                           config.max_sub_batch, compute_dtype, config.max_image_pixels, config.max_object_bytes,
-                          config.dataset_prefixes, device, device_admission)
+                          config.dataset_prefixes, device, device_admission, layouts)
     metrics = Metrics(budget, admission, cache, decoder.private_bytes, device, gpu_budget, device_admission)
     capacity_now = parallel_capacity(config, decoder, turns, device)
     app.extensions["hapi"] = {"admission": admission, "cache": cache, "extractor": extractor, "metrics": metrics,
@@ -143,6 +149,11 @@ def create_app(config: DaemonConfig) -> Flask:
                 "gpu_memory_capacity": device_admission.capacity if device_admission else None,
                 "gpu_memory_reserved_peak": device_admission.peak_reserved if device_admission else None,
                 "gpu_memory_peak_allocated": device_peak_bytes(device)}
+
+    def layout_of(prefix: LoadedPrefix) -> dict[str, object]:
+        """The passes of ``prefix`` the node runs at once, and what it measured, once measured."""
+        layout = layouts.layout(prefix) if layouts is not None else None
+        return {"pass_layout": layout.to_json()} if layout is not None else {}
 
     @app.before_request
     def authenticate():
@@ -177,8 +188,9 @@ def create_app(config: DaemonConfig) -> Flask:
         return jsonify(
             models=[{"name": s.name, "freeze_index": s.freeze_index, "input_size": s.input_size}
                     for s in MODELS.values()],
-            loaded=[entry.describe() for entry in cache.loaded()],
-            node={**capacity_now, **gpu_memory_now()},
+            loaded=[{**entry.describe(), **layout_of(entry)} for entry in cache.loaded()],
+            node={**capacity_now, **gpu_memory_now(),
+                  "pass_layouts": layouts.measured() if layouts is not None else {}},
         )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hapi.measure import cache_dir
 from hapi.store import is_plain_key
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
@@ -65,7 +66,12 @@ class DaemonConfig:
               "up; on one core, threads (a worker would only add its IPC and its memory)")
     torch_threads: int = _option(
         0, "intra-op threads of each forward pass; 0: the cores divided among the passes running at once, "
-           "read at each sub-batch (all of them for a request alone, one each when every compute slot is busy)")
+           "read at each sub-batch (all of them for a request alone, one each when every compute slot is busy), "
+           "with no more passes of a prefix at once than it runs fastest as: timed on these cores the first "
+           "time a model runs here (1, 2, 4, ... passes at once, and one per core), and kept in --state-dir")
+    state_dir: Path | None = _option(
+        None, "where the daemon keeps what it measured of this host (pass layouts) for later starts; default "
+              "$HAPI_CACHE/node, or ~/.cache/hapi/node")
     compute_dtype: str = _option(
         "float32", "float32, or bfloat16: run the prefix under CPU autocast (faster on CPUs with bf16 "
                    "units; features deviate by ~1e-2 relative to float32, see the README). On --device cuda "
@@ -143,6 +149,10 @@ class DaemonConfig:
             raise ValueError("max_queue, max_running and queue_timeout_s must be >= 0")
         if self.cores < 0 or self.torch_threads < 0 or (self.decode_workers or 0) < 0:
             raise ValueError("cores, torch_threads and decode_workers must be >= 0")
+
+    def layouts_file(self) -> Path:
+        """The file of this host's measured pass layouts (see ``storage_side.layout``)."""
+        return (self.state_dir or cache_dir() / "node") / "layouts.json"
 
     def torch_device(self) -> torch.device:
         """The device of ``device``, resolved and checked (see ``resolve_device``)."""

@@ -6,8 +6,9 @@ the memory it was granted without changing anything the trainer sees. Inside a r
 the next sub-batch is decoded (by worker processes, or threads: ``parallel``) while the
 prefix runs on this thread.
 
-Requests take turns to run their prefix, one per compute slot, each pass on its share of
-the cores (``parallel.ComputeTurns``), in about the order they came, and a job's own in
+Requests take turns to run their prefix, one per compute slot (no more at once than the
+prefix runs fastest as, ``layout``), each pass on its share of the cores
+(``parallel.ComputeTurns``), in about the order they came, and a job's own in
 their order in its stream (``ExtractRequest.order``): requests sharing a core would all
 finish late and together, leaving the link idle while they compute and then crowding it.
 A request waiting for its turn has already fetched its objects and started decoding them.
@@ -49,6 +50,7 @@ from hapi.wire import IMAGE_WIRE_DTYPES, WIRE_DTYPES, ExtractRequest, encode_fea
 from storage_side.admission import Admission, Reservation
 from storage_side.core_share import CoreShare
 from storage_side.errors import Busy, RequestError
+from storage_side.layout import PassLayouts
 from storage_side.memory import CPU, PrefixMemory, SampleSizes, Staging, autocast_context, device_work
 from storage_side.parallel import ComputeTurns, Decoder, PendingBatch, Place
 from storage_side.prefix_cache import LoadedPrefix, PrefixCache
@@ -163,7 +165,7 @@ class Extractor:
                  max_sub_batch: int, compute_dtype: torch.dtype = torch.float32,
                  max_image_pixels: int = 1 << 26, max_object_bytes: int = 256 << 20,
                  dataset_prefixes: tuple[str, ...] = (), device: torch.device = CPU,
-                 device_admission: Admission | None = None) -> None:
+                 device_admission: Admission | None = None, layouts: PassLayouts | None = None) -> None:
         self.store = store
         self.core_share = CoreShare(os.sched_getaffinity(0), decoder.pids)  # what others take of its cores
         self.device = device
@@ -175,6 +177,7 @@ class Extractor:
         self.admission = admission
         self.decoder = decoder
         self.compute_turns = compute_turns
+        self.layouts = layouts  # passes of a prefix at once, measured; None: one per compute slot
         self.min_sub_batch = min_sub_batch
         self.max_sub_batch = max_sub_batch
         self.compute_dtype = compute_dtype
@@ -218,6 +221,8 @@ class Extractor:
         try:
             with self.cache.lease(request.model, request.weights, request.transform.crop_size,
                                   request.job_id) as prefix:
+                # Before the request holds memory: a first measurement of the prefix waits for its own.
+                slots = self.layouts.slots(prefix, request.job_id) if self.layouts and request.split else None
                 timings["load_ms"] = _ms_since(started)
                 cost = RequestCost(prefix.memory, request.split, len(request.keys),
                                    WIRE_DTYPES[request.dtype].itemsize, self.sample_sizes.estimate(),
@@ -233,7 +238,7 @@ class Extractor:
                 if host is not None:
                     reservation = self.admission.admit(request.job_id, *host, request.order)
                 timings["queue_ms"] = _ms_since(started)
-                blob = self._run(request, prefix, cost, reservation, gpu_reservation, stats)
+                blob = self._run(request, prefix, cost, reservation, gpu_reservation, stats, slots)
         except BaseException:
             if reservation is not None:
                 reservation.release()
@@ -288,11 +293,11 @@ class Extractor:
         return need, want
 
     def _run(self, request: ExtractRequest, prefix: LoadedPrefix, cost: RequestCost, reservation: Reservation | None,
-             gpu_reservation: Reservation | None, stats: RequestStats) -> bytes:
+             gpu_reservation: Reservation | None, stats: RequestStats, slots: int | None) -> bytes:
         timings = stats.timings
         self.core_share.started()
         try:
-            with self.compute_turns.place(request.job_id, request.order) as place:
+            with self.compute_turns.place(request.job_id, request.order, slots) as place:
                 features = self._features(request, prefix, cost, reservation, gpu_reservation, stats, place)
         except BaseException:
             self.core_share.finished(0)

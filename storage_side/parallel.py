@@ -69,10 +69,14 @@ def pin_cores(count: int) -> list[int]:
 @dataclass(eq=False)
 class Place:
     """A request at the node, from its admission until it leaves. ``job`` None: a pass
-    that belongs to no job's stream; ``order``: its batch's place in its job's stream."""
+    that belongs to no job's stream; ``order``: its batch's place in its job's stream;
+    ``slots``: the most passes its prefix runs well at once (None: every slot); ``whole``:
+    it takes every slot, once none is busy."""
 
     job: str | None
     order: int
+    slots: int | None = None
+    whole: bool = False
     came: float = field(default_factory=time.monotonic)
     state: str = "fetching"  # then "waiting" for a compute turn, then "running"
     patience: float = math.inf  # until when it waits for earlier requests of its job
@@ -95,7 +99,8 @@ class ComputeTurns:
     and when every slot is busy each pass runs on one core, where a convolution spends no
     time synchronising threads. torch's thread count belongs to the calling thread (OpenMP's
     does), so each pass sets its own. ``slots`` None: passes run whenever they come
-    (no adaptation, for comparison only).
+    (no adaptation, for comparison only). A request whose prefix runs fastest as fewer
+    passes at once (``storage_side.layout``) takes its turn only while fewer are running.
     """
 
     def __init__(self, slots: int | None, cores: int, threads: int = 0) -> None:
@@ -107,10 +112,10 @@ class ComputeTurns:
         self._present: list[Place] = []  # in the order they came
 
     @contextlib.contextmanager
-    def place(self, job: str | None, order: int) -> Iterator[Place]:
+    def place(self, job: str | None, order: int, slots: int | None = None, whole: bool = False) -> Iterator[Place]:
         """Hold a request's place at the node (from its admission: one not admitted holds
         none, so that no admitted request waits for it) while it is here."""
-        place = Place(job, order)
+        place = Place(job, order, slots, whole)
         with self._changed:
             self._present.append(place)
         try:
@@ -140,20 +145,30 @@ class ComputeTurns:
                     now = time.monotonic()
                 place.behind_s = (cleared or started) - started
                 place.state = "running"
-                self.busy += 1
+                taken = self.slots if place.whole and self.slots is not None else 1
+                self.busy += taken
                 self._changed.notify_all()  # those behind it wait no more, and a slot may be left
             try:
                 yield self
             finally:
                 with self._changed:
-                    self.busy -= 1
+                    self.busy -= taken
                     self._changed.notify_all()
 
+    @contextlib.contextmanager
+    def every_slot(self) -> Iterator[ComputeTurns]:
+        """Every slot at once, in turn, once the passes running now have ended: for timing the cores."""
+        with self.place(None, 0, whole=True) as place, self.turn(place):
+            yield self
+
     def _next(self, now: float) -> Place | None:
-        """The request the next free slot goes to, if one is free."""
-        if self.busy >= self.slots:
+        """The request the next free slot goes to, if one is free (for a whole place: every one)."""
+        first = next((p for p in self._present if p.state == "waiting" and not self._behind(p, now)), None)
+        if first is None:
             return None
-        return next((p for p in self._present if p.state == "waiting" and not self._behind(p, now)), None)
+        if first.whole:
+            return first if self.busy == 0 else None
+        return first if self.busy < min(first.slots or self.slots, self.slots) else None
 
     def _behind(self, place: Place, now: float) -> bool:
         """Whether ``place`` still waits for an earlier request of its job to have its turn."""

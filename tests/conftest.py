@@ -8,6 +8,16 @@ import pytest
 
 from experiments.swift_cluster import SwiftCluster, swift_available
 
+
+@pytest.fixture(scope="session", autouse=True)
+def hapi_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What the code under test measures and keeps of this host (host profiles, the node's
+    pass layouts) goes to a directory of the session's, never the user's ~/.cache/hapi."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HAPI_CACHE", str(tmp_path_factory.mktemp("hapi-cache")))
+        yield
+
+
 # --- OpenStack Swift + s3api ------------------------------------------------
 
 

@@ -659,6 +659,17 @@ def test_a_node_running_several_of_the_run_s_requests_at_once_serves_them_that_m
     assert best(at(1e10, **slow_node, node_passes=32)) == (2, "float32")
 
 
+def test_a_node_whose_prefix_runs_fastest_alone_runs_only_its_decode_side_by_side() -> None:
+    """Eight requests at once decode side by side, but their prefix passes run one at a time
+    (the node's pass layout): each pass then has every core, and its measured time shows it."""
+    slow_node = {"node_scale": 20.0, "node_fixed_ms": 40.0}
+    prefix = sum(PROFILE.forward_ms[:FREEZE]) * 20.0
+    layout = price(PROFILE, FREEZE, at(1e10, **slow_node, node_passes=8, prefix_passes=1), FREEZE, "float32", BATCH)
+    assert layout.storage_ms == pytest.approx(40.0 / 8 + prefix)
+    unknown = price(PROFILE, FREEZE, at(1e10, **slow_node, node_passes=8), FREEZE, "float32", BATCH)
+    assert unknown.storage_ms == pytest.approx((40.0 + prefix) / 8)
+
+
 def sharing_splits_0_and_3() -> OnlinePlanner:
     """A run on an 8 MB/s link that, after four steps at split 3 paced at 5 ms a sample, has
     moved to half the batches each at splits 0 and 3 (as in the test of the pair above)."""

@@ -17,7 +17,7 @@ from hapi.datasets import Sample, make_synthetic
 from hapi.models import build_model
 from hapi.store import FileStore
 from hapi.transforms import TransformSpec
-from hapi.wire import ExtractRequest
+from hapi.wire import ExtractRequest, layout_key
 
 TRANSFORM = TransformSpec(crop_size=32, resize_size=36)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")
@@ -187,6 +187,22 @@ def test_the_nodes_run_as_many_requests_at_once_as_their_compute_slots_allow_wit
     assert node_passes([node], 1) == 1
     # Requests go round-robin: two of four to each node; a node that cannot say runs one.
     assert node_passes([node, _dead()], 4) == min(slots, 2) + 1
+
+
+def test_a_prefix_runs_as_many_passes_at_once_as_the_node_measured_fastest(data, node) -> None:
+    """A node says, per model it has timed, how many of its passes run fastest at once; a
+    model it has not timed runs as many as its slots."""
+    _, samples = data
+    slots = node.capacity()["compute_slots"]
+    node.extract(replace(_template(), keys=(samples[0].key,)))
+    measured = node.capacity()["pass_layouts"]
+    if slots == 1:
+        assert measured == {}  # one core: one layout, nothing to time
+        return
+    resnet18 = layout_key("resnet18", TRANSFORM.crop_size)
+    assert set(measured) == {resnet18} and 1 <= measured[resnet18] <= slots
+    assert node_passes([node], 4, resnet18) == min(measured[resnet18], 4)
+    assert node_passes([node], 4, layout_key("resnet50", 224)) == min(slots, 4)
 
 
 class Listening:
