@@ -306,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode in a.modes.split(","):
             for jobs in (int(n) for n in a.jobs.split(",")):
                 limit = MemoryLimit(budget)
+                # Decoding on threads: two decode workers' ~0.8 GB would leave a 1.6 GB budget nothing.
                 args = ["--memory-budget", str(budget), "--max-sub-batch", "16", "--torch-threads", "2",
-                        "--io-threads", "4", "--server-threads", "48", "--queue-timeout", "120"]
+                        "--decode-workers", "0", "--io-threads", "4", "--server-threads", "48",
+                        "--queue-timeout", "120"]
                 if mode == "no-adapt":
                     args.append("--no-adapt")
                 try:

@@ -26,7 +26,13 @@ from storage_side.config import DaemonConfig
 from storage_side.errors import RequestError
 from storage_side.executor import Extractor, RequestStats
 from storage_side.layout import LayoutBook, PassLayouts
-from storage_side.memory import default_memory_budget, device_peak_bytes, device_work, process_rss_bytes
+from storage_side.memory import (
+    KeptMemory,
+    default_memory_budget,
+    device_peak_bytes,
+    device_work,
+    process_rss_bytes,
+)
 from storage_side.metrics import Metrics
 from storage_side.parallel import ComputeTurns, Decoder, make_decoder
 from storage_side.prefix_cache import LoadedPrefix, PrefixCache
@@ -113,6 +119,8 @@ def create_app(config: DaemonConfig) -> Flask:
         raise
     admission = (Admission(capacity, config.max_queue, config.queue_timeout_s, config.running_limit())
                  if config.adapt else None)
+    # The headroom, which no request reserves, is what freed memory kept for reuse may take.
+    kept = KeptMemory(process_rss_bytes(), int(budget * config.memory_headroom))
     gpu_budget = device_admission = None
     if device.type == "cuda":
         try:
@@ -136,7 +144,7 @@ def create_app(config: DaemonConfig) -> Flask:
     metrics = Metrics(budget, admission, cache, decoder.private_bytes, device, gpu_budget, device_admission)
     capacity_now = parallel_capacity(config, decoder, turns, device)
     app.extensions["hapi"] = {"admission": admission, "cache": cache, "extractor": extractor, "metrics": metrics,
-                              "decoder": decoder}
+                              "decoder": decoder, "kept_memory": kept}
     log.info("memory budget %.0f MB: %.0f MB idle daemon, %.0f MB for models and requests (%s)",
              budget / 1e6, baseline / 1e6, capacity / 1e6, "adaptive" if admission else "NOT ADAPTIVE")
     log.info("parallel capacity", extra={"fields": capacity_now})
@@ -206,7 +214,11 @@ def create_app(config: DaemonConfig) -> Flask:
         blob, reservation = extractor.extract(req, stats)
         response = Response(blob, content_type=FEATURES_CONTENT_TYPE)
         if reservation is not None:
-            response.call_on_close(reservation.release)  # the blob's bytes are held until it is sent
+            def sent() -> None:  # the blob's bytes are held until it is sent
+                reservation.release()
+                kept.check(admission.reserved)
+
+            response.call_on_close(sent)
         metrics.bytes_out.inc(len(blob))
         metrics.raw_bytes.inc(stats.raw_bytes)
         metrics.samples.inc(len(req.keys))

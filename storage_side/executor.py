@@ -6,9 +6,9 @@ the memory it was granted without changing anything the trainer sees. Inside a r
 the next sub-batch is decoded (by worker processes, or threads: ``parallel``) while the
 prefix runs on this thread.
 
-Requests take turns to run their prefix, one per compute slot (no more at once than the
-prefix runs fastest as, ``layout``), each pass on its share of the cores
-(``parallel.ComputeTurns``), in about the order they came, and a job's own in
+Requests take turns to run their prefix, one per compute slot (and no more passes of a
+prefix at once than its measured layout has, ``layout``), each pass on its share of the
+cores (``parallel.ComputeTurns``), in about the order they came, and a job's own in
 their order in its stream (``ExtractRequest.order``): requests sharing a core would all
 finish late and together, leaving the link idle while they compute and then crowding it.
 A request waiting for its turn has already fetched its objects and started decoding them.

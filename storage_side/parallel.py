@@ -70,7 +70,7 @@ def pin_cores(count: int) -> list[int]:
 class Place:
     """A request at the node, from its admission until it leaves. ``job`` None: a pass
     that belongs to no job's stream; ``order``: its batch's place in its job's stream;
-    ``slots``: the most passes its prefix runs well at once (None: every slot); ``whole``:
+    ``slots``: the most passes of its prefix that run fastest at once (None: every slot); ``whole``:
     it takes every slot, once none is busy."""
 
     job: str | None
