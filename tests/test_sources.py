@@ -200,7 +200,7 @@ def test_a_prefix_runs_as_many_passes_at_once_as_the_node_measured_fastest(data,
         assert measured == {}  # one core: one layout, nothing to time
         return
     resnet18 = layout_key("resnet18", TRANSFORM.crop_size)
-    assert set(measured) == {resnet18} and 1 <= measured[resnet18] <= slots
+    assert 1 <= measured[resnet18] <= slots  # (with any other model the session's daemons timed before)
     assert node_passes([node], 4, resnet18) == min(measured[resnet18], 4)
     assert node_passes([node], 4, layout_key("resnet50", 224)) == min(slots, 4)
 
