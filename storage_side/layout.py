@@ -33,7 +33,7 @@ from storage_side.prefix_cache import LoadedPrefix
 
 log = logging.getLogger(__name__)
 
-TIMED_ROUNDS = 2  # passes each layout's passes run after their warm-up
+TIMED_ROUNDS = 2  # timed passes each of a layout's passes runs, after its warm-up
 # A pass's first call sets up its kernels and memory. A warm-up on this many samples does
 # that for a whole sub-batch too (ResNet-50 at 224 px on one core: the next pass of 16 took
 # 2.35 s, those after it 2.30 and 2.33), at a fraction of a whole pass's time.
