@@ -237,6 +237,7 @@ class Pipeline:
         # Rank 0 plans its own slices: the planner sees one rank's batches and samples.
         ranks = self.world.size if self.world else 1
         in_flight = max(c.depth, 1) * ranks
+        capacities, prefix = node_capacities(clients), layout_key(c.model, crop)
         batch = -(-c.batch_size // ranks)
         requests_per_batch = -(-batch // c.request_size)
         # After the first epoch the feature cache serves validation, and training too
@@ -248,8 +249,8 @@ class Pipeline:
         sent = epochs * (len(self.train_samples) + len(self.val_samples)) - cached
         train_sent = epochs * len(self.train_samples) - cached_train
         return OnlinePlanner(profile, self.model.spec.freeze_index, batch, -(-sent // ranks),
-                             node_passes=max(1, node_passes(clients, in_flight) // ranks),
-                             prefix_passes=max(1, node_passes(clients, in_flight, layout_key(c.model, crop)) // ranks),
+                             node_passes=max(1, node_passes(capacities, in_flight) // ranks),
+                             prefix_passes=max(1, node_passes(capacities, in_flight, prefix) // ranks),
                              raw_bytes=sum(s.size for s in self.train_samples) / len(self.train_samples),
                              dtypes=tuple(dict.fromkeys((*(c.dtypes or (c.dtype,)), wire_dtype(0, c.dtype)))),
                              batches_in_flight=max(1, -(-c.depth // requests_per_batch)),
@@ -335,18 +336,25 @@ class Pipeline:
         return self._loaders
 
 
-def node_passes(clients: list[StorageClient], in_flight: int, prefix: str | None = None) -> int:
-    """How many of ``in_flight`` requests, spread round-robin, the nodes run at once: each
-    node as many as it has compute slots (as it reports them; one where it does not say);
-    for ``prefix`` (a ``layout_key``), no more than it measured that prefix to run fastest
-    at once, where it has."""
-    per_node = -(-in_flight // max(len(clients), 1))
-    passes = 0
+def node_capacities(clients: list[StorageClient]) -> list[dict]:
+    """What each node says it runs at once (``StorageClient.capacity``); {} where it cannot say."""
+    capacities = []
     for client in clients:
         try:
-            capacity = client.capacity()
-        except StorageNodeError:  # a node that cannot say is priced as running one at a time
-            capacity = {}
+            capacities.append(client.capacity())
+        except StorageNodeError:
+            capacities.append({})
+    return capacities
+
+
+def node_passes(capacities: list[dict], in_flight: int, prefix: str | None = None) -> int:
+    """How many of ``in_flight`` requests, spread round-robin, nodes of ``capacities`` run at
+    once: each node as many as it has compute slots (one where it does not say); for
+    ``prefix`` (a ``layout_key``), no more than its fastest layout of that prefix has,
+    where the node timed one."""
+    per_node = -(-in_flight // max(len(capacities), 1))
+    passes = 0
+    for capacity in capacities:
         slots = int(capacity.get("compute_slots", 1))
         if prefix is not None:
             slots = min(slots, int(capacity.get("pass_layouts", {}).get(prefix, slots)))

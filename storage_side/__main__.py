@@ -21,7 +21,7 @@ from flask import Flask
 from hapi.wire import TOKEN_ENV
 from storage_side.app import create_app
 from storage_side.config import DaemonConfig, option_help, parse_size, resolve_device
-from storage_side.memory import default_memory_budget, keep_freed_memory_within
+from storage_side.memory import keep_freed_memory_within
 from storage_side.parallel import pin_cores
 
 
@@ -178,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger(__name__).info("running on cores %s", ",".join(map(str, cores)))
     # Only in the daemon's own process: it changes how the whole process allocates. The
     # freed memory kept for the next passes is the budget's headroom, which no request reserves.
-    budget = config.memory_budget or default_memory_budget()
-    if not keep_freed_memory_within(int(budget * config.memory_headroom), config.compute_slots()):
+    if not keep_freed_memory_within(config.headroom_bytes(), config.compute_slots()):
         logging.getLogger(__name__).warning("not glibc: resident memory may exceed what the budget counts")
     if config.insecure and not config.token:
         logging.getLogger(__name__).warning("--insecure: serving %s:%d without a token, to anyone who reaches it",

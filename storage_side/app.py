@@ -28,7 +28,6 @@ from storage_side.executor import Extractor, RequestStats
 from storage_side.layout import LayoutBook, PassLayouts
 from storage_side.memory import (
     KeptMemory,
-    default_memory_budget,
     device_peak_bytes,
     device_work,
     process_rss_bytes,
@@ -64,7 +63,7 @@ def memory_capacity(config: DaemonConfig, workers_bytes: int = 0) -> tuple[int, 
     """(budget, baseline, capacity): what reservations may take is the budget less the
     headroom and what the idle daemon already uses: its process (interpreter, torch,
     server) and ``workers_bytes``, what its decode workers hold of their own."""
-    budget = config.memory_budget or default_memory_budget()
+    budget = config.budget_bytes()
     baseline = process_rss_bytes() + workers_bytes
     capacity = int(budget * (1 - config.memory_headroom)) - baseline
     if config.adapt and capacity <= 0:
@@ -120,7 +119,7 @@ def create_app(config: DaemonConfig) -> Flask:
     admission = (Admission(capacity, config.max_queue, config.queue_timeout_s, config.running_limit())
                  if config.adapt else None)
     # The headroom, which no request reserves, is what freed memory kept for reuse may take.
-    kept = KeptMemory(process_rss_bytes(), int(budget * config.memory_headroom))
+    kept = KeptMemory(process_rss_bytes(), config.headroom_bytes())
     gpu_budget = device_admission = None
     if device.type == "cuda":
         try:
@@ -144,7 +143,7 @@ def create_app(config: DaemonConfig) -> Flask:
     metrics = Metrics(budget, admission, cache, decoder.private_bytes, device, gpu_budget, device_admission)
     capacity_now = parallel_capacity(config, decoder, turns, device)
     app.extensions["hapi"] = {"admission": admission, "cache": cache, "extractor": extractor, "metrics": metrics,
-                              "decoder": decoder, "kept_memory": kept}
+                              "decoder": decoder}
     log.info("memory budget %.0f MB: %.0f MB idle daemon, %.0f MB for models and requests (%s)",
              budget / 1e6, baseline / 1e6, capacity / 1e6, "adaptive" if admission else "NOT ADAPTIVE")
     log.info("parallel capacity", extra={"fields": capacity_now})

@@ -17,6 +17,7 @@ import torch
 
 from hapi.measure import cache_dir
 from hapi.store import is_plain_key
+from storage_side.memory import default_memory_budget
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # From this many cores up, decoding runs in worker processes by default (see decode_workers):
@@ -66,9 +67,9 @@ class DaemonConfig:
               "up; on one core, threads (a worker would only add its IPC and its memory)")
     torch_threads: int = _option(
         0, "intra-op threads of each forward pass; 0: the cores divided among the passes running at once, "
-           "read at each sub-batch (all of them for a request alone, one each when every compute slot is busy), "
-           "with no more passes of a prefix at once than it runs fastest as: timed on these cores the first "
-           "time a model runs here (1, 2, 4, ... passes at once, and one per core), and kept in --state-dir")
+           "read at each sub-batch (all of them for a request alone, one each when every compute slot is busy); "
+           "and no more passes of a prefix at once than its fastest layout has, timed on these cores the first "
+           "time a model runs here (1, 2, 4, ... passes at once, and one per core) and kept in --state-dir")
     state_dir: Path | None = _option(
         None, "where the daemon keeps what it measured of this host (pass layouts) for later starts; default "
               "$HAPI_CACHE/node, or ~/.cache/hapi/node")
@@ -149,6 +150,14 @@ class DaemonConfig:
             raise ValueError("max_queue, max_running and queue_timeout_s must be >= 0")
         if self.cores < 0 or self.torch_threads < 0 or (self.decode_workers or 0) < 0:
             raise ValueError("cores, torch_threads and decode_workers must be >= 0")
+
+    def budget_bytes(self) -> int:
+        """``memory_budget``, or by default half of the machine's memory or of its cgroup's limit."""
+        return self.memory_budget or default_memory_budget()
+
+    def headroom_bytes(self) -> int:
+        """The part of the budget no request reserves: allocator slack, and freed memory kept for reuse."""
+        return int(self.budget_bytes() * self.memory_headroom)
 
     def layouts_file(self) -> Path:
         """The file of this host's measured pass layouts (see ``storage_side.layout``)."""

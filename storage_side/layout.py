@@ -138,6 +138,9 @@ class LayoutBook:
         """Every layout measured for ``node``, by model and input size."""
         return dict(self._nodes.get(node, {}))
 
+    def get(self, node: str, model: str) -> Layout | None:
+        return self._nodes.get(node, {}).get(model)
+
     def put(self, node: str, model: str, layout: Layout) -> None:
         self._nodes.setdefault(node, {})[model] = layout
         if self.path is None:
@@ -178,7 +181,7 @@ class PassLayouts:
 
     def layout(self, prefix: LoadedPrefix) -> Layout | None:
         model, _, input_size = prefix.key  # the weights' values do not change a pass's time
-        return self.book.node(self.node).get(layout_key(model, input_size))
+        return self.book.get(self.node, layout_key(model, input_size))
 
     def slots(self, prefix: LoadedPrefix, job: str) -> int:
         """Passes of ``prefix`` at once; measured now (seconds) on its first use on this host."""

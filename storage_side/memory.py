@@ -152,7 +152,6 @@ class KeptMemory:
     def __init__(self, baseline: int, slack: int) -> None:
         self.baseline = baseline
         self.slack = slack
-        self.trims = 0
         try:
             self._trim = ctypes.CDLL("libc.so.6").malloc_trim
         except (OSError, AttributeError):  # not glibc: nothing to give back this way
@@ -163,7 +162,6 @@ class KeptMemory:
         if self._trim is None or process_rss_bytes() <= self.baseline + reserved + self.slack:
             return False
         self._trim(0)
-        self.trims += 1
         return True
 
 

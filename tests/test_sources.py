@@ -12,7 +12,7 @@ import torch
 from compute_side.client import HEDGE_FLOOR_S, PROBE_TIMEOUT_S, StorageClient, StorageNodeError
 from compute_side.daemon_process import free_port, local_daemon
 from compute_side.sources import LocalPrefix, Part, Planned, PushdownSource, RawObjectSource, Sources
-from hapi.data import node_passes
+from hapi.data import node_capacities, node_passes
 from hapi.datasets import Sample, make_synthetic
 from hapi.models import build_model
 from hapi.store import FileStore
@@ -183,10 +183,10 @@ def test_no_node_answers_computes_the_same_features_here(data, node, caplog) -> 
 def test_the_nodes_run_as_many_requests_at_once_as_their_compute_slots_allow_within_those_in_flight(node) -> None:
     slots = node.capacity()["compute_slots"]
     assert slots >= 1
-    assert node_passes([node], 4) == min(slots, 4)
-    assert node_passes([node], 1) == 1
+    assert node_passes(node_capacities([node]), 4) == min(slots, 4)
+    assert node_passes(node_capacities([node]), 1) == 1
     # Requests go round-robin: two of four to each node; a node that cannot say runs one.
-    assert node_passes([node, _dead()], 4) == min(slots, 2) + 1
+    assert node_passes(node_capacities([node, _dead()]), 4) == min(slots, 2) + 1
 
 
 def test_a_prefix_runs_as_many_passes_at_once_as_the_node_measured_fastest(data, node) -> None:
@@ -201,8 +201,8 @@ def test_a_prefix_runs_as_many_passes_at_once_as_the_node_measured_fastest(data,
         return
     resnet18 = layout_key("resnet18", TRANSFORM.crop_size)
     assert 1 <= measured[resnet18] <= slots  # (with any other model the session's daemons timed before)
-    assert node_passes([node], 4, resnet18) == min(measured[resnet18], 4)
-    assert node_passes([node], 4, layout_key("resnet50", 224)) == min(slots, 4)
+    assert node_passes(node_capacities([node]), 4, resnet18) == min(measured[resnet18], 4)
+    assert node_passes(node_capacities([node]), 4, layout_key("resnet50", 224)) == min(slots, 4)
 
 
 class Listening:
